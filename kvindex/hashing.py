@@ -1,0 +1,132 @@
+"""Chained block hashes over token ids: the only place the chain is defined.
+
+A prompt of ``n`` tokens has ``n // block_size`` full blocks; a partial last block is
+never hashed (vLLM does not cache it either). Block ``i``'s hash covers its parent's
+hash and its own tokens:
+
+    h(-1) = namespace.root            (covers everything that changes the KV state)
+    h(i)  = mmh3_x64_128(le64(h(i-1)) || le32(tokens of block i)) low 64 bits
+
+so two prompts share hash ``h(i)`` exactly when they share the namespace and the first
+``(i + 1) * block_size`` tokens (up to 64-bit collisions).
+
+Two hash spaces exist and must never mix, hence two distinct types:
+
+- ``BlockHash``: ours, computed here, comparable across workers of one namespace;
+- ``EngineBlockHash``: the engine's own (sha256/xxhash, seeded per deployment), only
+  meaningful on the worker that emitted it; the index maps it to ours.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NewType
+
+import mmh3
+
+BlockHash = NewType("BlockHash", int)
+EngineBlockHash = NewType("EngineBlockHash", int)
+
+# NOTE: 'I' is 4 bytes on every platform CPython supports; token ids are < 2**32.
+_TOKEN_ARRAY_CODE = "I"
+_TOKEN_BYTES = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Everything that changes the KV state of block 0, and so of every later block.
+
+    Two requests may share cached blocks only if their namespaces are equal.
+    ``root`` is derived once, at construction.
+    """
+
+    model: str
+    model_revision: str = ""
+    tokenizer_fingerprint: str = ""
+    chat_template_fingerprint: str = ""
+    lora_name: str | None = None
+    block_size: int = 16
+    cache_salt: str | None = None
+    root: BlockHash = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        parts = (
+            self.model,
+            self.model_revision,
+            self.tokenizer_fingerprint,
+            self.chat_template_fingerprint,
+            "" if self.lora_name is None else f"lora:{self.lora_name}",
+            str(self.block_size),
+            "" if self.cache_salt is None else f"salt:{self.cache_salt}",
+        )
+        # Length-prefixed so that no two distinct tuples encode the same bytes.
+        encoded = b"".join(len(p.encode()).to_bytes(4, "little") + p.encode() for p in parts)
+        digest = hashlib.blake2b(encoded, digest_size=8).digest()
+        object.__setattr__(self, "root", BlockHash(int.from_bytes(digest, "little")))
+
+    def with_salt(self, cache_salt: str | None) -> Namespace:
+        """The same namespace for another tenant's cache salt."""
+        return _replace(self, cache_salt=cache_salt)
+
+    def with_lora(self, lora_name: str | None) -> Namespace:
+        """The same namespace for another LoRA adapter (None: the base model)."""
+        return _replace(self, lora_name=lora_name)
+
+
+def _replace(ns: Namespace, **changes: str | None) -> Namespace:
+    fields = {
+        "model": ns.model,
+        "model_revision": ns.model_revision,
+        "tokenizer_fingerprint": ns.tokenizer_fingerprint,
+        "chat_template_fingerprint": ns.chat_template_fingerprint,
+        "lora_name": ns.lora_name,
+        "block_size": ns.block_size,
+        "cache_salt": ns.cache_salt,
+    }
+    fields.update(changes)
+    return Namespace(**fields)  # type: ignore[arg-type]
+
+
+def fingerprint(text: str | bytes) -> str:
+    """A short stable fingerprint of a tokenizer file or chat template."""
+    data = text.encode() if isinstance(text, str) else text
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32 bytes (the input of the chain)."""
+    tokens = array.array(_TOKEN_ARRAY_CODE, token_ids)
+    if tokens.itemsize != _TOKEN_BYTES:  # pragma: no cover - exotic platforms only
+        raise RuntimeError("unsigned int is not 4 bytes on this platform")
+    return tokens.tobytes()
+
+
+def chain_hashes(
+    parent: BlockHash, token_ids: Sequence[int], block_size: int
+) -> list[BlockHash]:
+    """Hashes of the full blocks of ``token_ids``, chained from ``parent``.
+
+    Cost: one mmh3 call per block plus one copy of the tokens, O(len(token_ids)).
+    """
+    data = token_bytes(token_ids)
+    stride = block_size * _TOKEN_BYTES
+    num_full = len(token_ids) // block_size
+    hashes: list[BlockHash] = []
+    current = parent
+    hash64 = mmh3.hash64
+    for start in range(0, num_full * stride, stride):
+        current = BlockHash(
+            hash64(current.to_bytes(8, "little") + data[start : start + stride], signed=False)[0]
+        )
+        hashes.append(current)
+    return hashes
+
+
+def hash_prompt(namespace: Namespace, token_ids: Sequence[int]) -> list[BlockHash]:
+    """Our hashes for every full block of a prompt under ``namespace``."""
+    return chain_hashes(namespace.root, token_ids, namespace.block_size)

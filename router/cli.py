@@ -1,0 +1,47 @@
+"""The ``kvroute`` console script: one subcommand per capability.
+
+Each subcommand lives in its own module, imported only when it runs, so that
+``kvroute worker --engine sim`` never pays for the router's imports and vice versa.
+A subcommand module defines ``configure(parser)`` and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Protocol, cast
+
+# name -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "index-bench": ("loadtest.bench_index", "benchmark the prefix index against a reference"),
+}
+
+
+class Subcommand(Protocol):
+    def configure(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+def _usage() -> str:
+    width = max(len(name) for name in SUBCOMMANDS)
+    lines = [f"  {name:<{width}}  {help_text}" for name, (_, help_text) in SUBCOMMANDS.items()]
+    return "usage: kvroute SUBCOMMAND [options]\n\nsubcommands:\n" + "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
+        print(_usage(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    name = argv[0]
+    module_name, help_text = SUBCOMMANDS[name]
+    module = cast(Subcommand, importlib.import_module(module_name))
+    parser = argparse.ArgumentParser(prog=f"kvroute {name}", description=help_text)
+    module.configure(parser)
+    return module.run(parser.parse_args(argv[1:]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
