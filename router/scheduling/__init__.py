@@ -1,0 +1,1 @@
+"""Worker selection: shared types, policies (plugins), the cost model and the Scheduler."""

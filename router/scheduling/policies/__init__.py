@@ -1,0 +1,1 @@
+"""Routing policies, one per module; registered in ``router.scheduling.registry``."""

@@ -1,0 +1,85 @@
+"""Data shared between the router core (fleet, proxy) and scheduling.
+
+The fleet owns one ``WorkerView`` (and its ``WorkerLoad``) per worker; the scheduler
+reads views and is the only writer of the router-side load fields
+(``num_inflight``, ``inflight_prefill_tokens``). Engine-reported fields
+(``num_running``, ``num_waiting``, ``kv_usage``, ``prefill_tokens_queued``) are written
+by the fleet from agent load reports or ``/metrics``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NewType
+
+from kvindex.hashing import BlockHash, Namespace
+
+if TYPE_CHECKING:
+    from kvindex.index import WorkerId
+else:
+    try:
+        from kvindex.index import WorkerId
+    except ImportError:  # pragma: no cover - only until kvindex.index lands
+        WorkerId = NewType("WorkerId", str)
+
+__all__ = ["Decision", "RoutingRequest", "WorkerId", "WorkerLoad", "WorkerView"]
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """Load of one worker: engine-reported fields plus this router's own bookkeeping.
+
+    Invariant (router side): ``num_inflight`` and ``inflight_prefill_tokens`` are never
+    negative and return to zero when every picked request has finished.
+    """
+
+    num_running: int = 0  # engine: requests decoding or prefilling
+    num_waiting: int = 0  # engine: requests queued, not yet scheduled
+    kv_usage: float = 0.0  # engine: fraction of KV blocks in use, [0, 1]
+    prefill_tokens_queued: int = 0  # engine-reported (agent LoadReport)
+    num_inflight: int = 0  # router-side: this router's in-flight requests there
+    inflight_prefill_tokens: int = 0  # router-side: uncached tokens not yet at first token
+    updated_at: float = 0.0  # monotonic time of the last engine report
+
+
+@dataclass(slots=True)
+class WorkerView:
+    """What scheduling needs to know about one worker."""
+
+    worker_id: WorkerId
+    url: str
+    namespace: Namespace  # base namespace (no salt, no LoRA)
+    healthy: bool
+    models: frozenset[str]
+    loras: frozenset[str]
+    max_concurrency: int | None  # cap on num_inflight; None: unbounded
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+
+
+@dataclass(slots=True)
+class RoutingRequest:
+    """One request as scheduling sees it: tokens already computed by the tokenizer."""
+
+    model: str
+    lora_name: str | None
+    cache_salt: str | None
+    prompt_token_ids: list[int]
+    session_key: str | None = None
+    max_tokens: int | None = None
+
+
+@dataclass(slots=True)
+class Decision:
+    """The outcome of one pick; handed back to ``on_first_token`` / ``on_finish``."""
+
+    worker_id: WorkerId
+    policy: str
+    num_prompt_tokens: int
+    predicted_cached_tokens: int
+    block_hashes: list[BlockHash]  # under the chosen worker's namespace
+    phase_seconds: dict[str, float]  # "hash", "lookup", "score"
+    # Router-side load this decision added, released exactly once (see Scheduler).
+    inflight_prefill_tokens: int = 0
+    prefill_released: bool = False
+    finished: bool = False
+    picked_at: float = 0.0
