@@ -77,9 +77,14 @@ class Decision:
     num_prompt_tokens: int
     predicted_cached_tokens: int
     block_hashes: list[BlockHash]  # under the chosen worker's namespace
-    phase_seconds: dict[str, float]  # "hash", "lookup", "score"
+    phase_seconds: dict[str, float]  # "hash", "lookup", "score" (and "commit")
     # Router-side load this decision added, released exactly once (see Scheduler).
-    inflight_prefill_tokens: int = 0
+    inflight_prefill_tokens: int = 0  # uncached prefill tokens (GPU-token equivalents)
     prefill_released: bool = False
     finished: bool = False
-    picked_at: float = 0.0
+    picked_at: float = 0.0  # scheduler clock at pick
+    # Features the rate learner needs at first token, as they were at pick time.
+    queued_prefill_tokens_at_pick: int = 0
+    num_running_at_pick: int = 0
+    # The WorkerLoad the pick charged; releases go to the same object.
+    load: WorkerLoad | None = field(default=None, repr=False, compare=False)

@@ -1,0 +1,92 @@
+"""Expected time to first token of one request on one worker (the cache-aware score).
+
+    uncached(w) = prompt_tokens - hit_tokens(w)
+                + block_size * (cpu_cost * num_cpu + disk_cost * num_disk
+                                + predicted_cost * num_predicted)
+    queued(w)   = load.prefill_tokens_queued + load.inflight_prefill_tokens
+    running(w)  = max(load.num_running, load.num_inflight)
+    ttft(w)     = overhead(w) + s_prefill(w) * (queued(w) + uncached(w))
+                + s_running(w) * running(w)
+
+``hit_tokens`` is what the engine can reuse: the leading blocks the index says ``w``
+holds (any tier, or predicted), capped like vLLM caps a hit (it always recomputes at
+least the last prompt token, so a fully cached prompt hits one block less).
+GPU blocks cost nothing; CPU / disk blocks cost a fraction of a prefill token per token
+(the load from the offload tier); predicted blocks (routed there moments ago, not yet
+confirmed by events) cost a small fraction for the risk they are not there.
+
+NOTE: ``queued`` adds the engine's report and this router's in-flight prefill tokens.
+The engine's report lags (it comes every load-report interval) while the router's own
+count is exact but blind to other routers; adding them over-counts our own requests
+only until the next report, and errs on the side of spreading load.
+NOTE: queued work is measured in tokens, like the prompt. On the Mooncake trace every
+request shares its first block, so a small overlap is worth block_size tokens while a
+worker with a long queue costs thousands: queued work dominates and load spreads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvindex.index import Overlap
+from router.scheduling.rates import WorkerRates
+from router.scheduling.types import WorkerLoad
+
+
+@dataclass(frozen=True, slots=True)
+class TierCosts:
+    """Cost of a cached token per tier, as a fraction of prefilling it (GPU: 0)."""
+
+    cpu: float = 0.25
+    disk: float = 0.5
+    predicted: float = 0.1
+
+
+def hit_tokens(num_blocks: int, block_size: int, num_prompt_tokens: int) -> int:
+    """Tokens the engine reuses for ``num_blocks`` leading cached blocks.
+
+    vLLM never reuses the whole prompt (the last token is always computed), so the hit
+    is at most ``((num_prompt_tokens - 1) // block_size)`` blocks.
+    """
+    if num_prompt_tokens <= 0:
+        return 0
+    max_blocks = (num_prompt_tokens - 1) // block_size
+    return min(num_blocks, max_blocks) * block_size
+
+
+def effective_uncached_tokens(
+    overlap: Overlap | None, block_size: int, num_prompt_tokens: int, costs: TierCosts
+) -> float:
+    """Prefill work this prompt adds on a worker, in GPU-prefill-token equivalents."""
+    if overlap is None or overlap.num_blocks == 0:
+        return float(num_prompt_tokens)
+    hit = hit_tokens(overlap.num_blocks, block_size, num_prompt_tokens)
+    hit_blocks = hit // block_size
+    # The hit cap trims the run's tail; charge the trimmed blocks' tiers from the end.
+    num_cpu, num_disk, num_predicted = overlap.num_cpu, overlap.num_disk, overlap.num_predicted
+    trimmed = overlap.num_blocks - hit_blocks
+    if trimmed > 0:
+        num_predicted = max(0, num_predicted - trimmed)
+        num_disk = min(num_disk, hit_blocks)
+        num_cpu = min(num_cpu, hit_blocks)
+    surcharge = block_size * (
+        costs.cpu * num_cpu + costs.disk * num_disk + costs.predicted * num_predicted
+    )
+    return float(num_prompt_tokens - hit) + surcharge
+
+
+def queued_prefill_tokens(load: WorkerLoad) -> int:
+    """Prefill work ahead of a new request on this worker (see module NOTE)."""
+    return load.prefill_tokens_queued + load.inflight_prefill_tokens
+
+
+def decode_batch(load: WorkerLoad) -> int:
+    """Requests sharing the engine's steps with a new request."""
+    return max(load.num_running, load.num_inflight)
+
+
+def expected_ttft(
+    rates: WorkerRates, load: WorkerLoad, uncached_tokens: float
+) -> float:
+    """The cache-aware score of one worker, in seconds (lower is better)."""
+    return rates.predict_ttft(queued_prefill_tokens(load) + uncached_tokens, decode_batch(load))

@@ -1,0 +1,93 @@
+"""``cache_aware``: the worker with the lowest expected time to first token.
+
+For each candidate, ``cost_model.expected_ttft``: the prefill already queued there plus
+this prompt's tokens it has not cached (CPU/disk-tier and predicted blocks charged a
+fraction), times its learned seconds per prefill token, plus its overhead and a
+decode-load term (see ``router.scheduling.cost_model`` for the formula).
+
+Lowest wins, ties at random. With ``temperature`` > 0 (seconds) the worker is sampled
+with probability proportional to ``exp(-(ttft - best) / temperature)`` instead, which
+spreads near-equal choices and keeps every worker's rates observed.
+
+Cost: one hash and one index lookup per distinct worker namespace (memoised by the
+``PickContext``), then O(workers) arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from router.scheduling.cost_model import TierCosts, effective_uncached_tokens, expected_ttft
+from router.scheduling.policy import (
+    BasePolicy,
+    ParamSpec,
+    ParamValue,
+    PickContext,
+    PolicySpec,
+    argmin_random_tie,
+)
+from router.scheduling.types import WorkerView
+
+
+class CacheAwarePolicy(BasePolicy):
+    name = "cache_aware"
+
+    def __init__(self, *, costs: TierCosts | None = None, temperature: float = 0.0) -> None:
+        if temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        self.costs = costs or TierCosts()
+        self.temperature = temperature
+
+    def choose(self, ctx: PickContext) -> WorkerView:
+        candidates = ctx.candidates
+        for worker in candidates:
+            ctx.overlaps(worker)  # hash + lookup once per namespace, timed by phase
+        scores = self.expected_ttfts(ctx)
+        if self.temperature > 0 and len(candidates) > 1:
+            return self._sample(ctx, scores)
+        return argmin_random_tie(candidates, scores, ctx.rng)
+
+    def expected_ttfts(self, ctx: PickContext) -> list[float]:
+        """Expected TTFT (seconds) per candidate, in candidate order."""
+        num_prompt_tokens = len(ctx.request.prompt_token_ids)
+        rates_of = ctx.rates.rates_of
+        costs = self.costs
+        scores = []
+        for worker in ctx.candidates:
+            uncached = effective_uncached_tokens(
+                ctx.overlap(worker), worker.namespace.block_size, num_prompt_tokens, costs
+            )
+            scores.append(expected_ttft(rates_of(worker.worker_id), worker.load, uncached))
+        return scores
+
+    def _sample(self, ctx: PickContext, scores: list[float]) -> WorkerView:
+        best = min(scores)
+        weights = [math.exp(-(s - best) / self.temperature) for s in scores]
+        return ctx.rng.choices(list(ctx.candidates), weights=weights, k=1)[0]
+
+
+def _create(params: Mapping[str, ParamValue]) -> CacheAwarePolicy:
+    costs = TierCosts(
+        cpu=float(params["cpu_cost"]),
+        disk=float(params["disk_cost"]),
+        predicted=float(params["predicted_cost"]),
+    )
+    return CacheAwarePolicy(costs=costs, temperature=float(params["temperature"]))
+
+
+SPEC = PolicySpec(
+    name="cache_aware",
+    summary="lowest expected TTFT: queued + uncached prefill at learned rates, decode load",
+    params=(
+        ParamSpec("cpu_cost", float, 0.25, "cost of a CPU-tier cached token (1 = prefill)"),
+        ParamSpec("disk_cost", float, 0.5, "cost of a disk-tier cached token (1 = prefill)"),
+        ParamSpec(
+            "predicted_cost", float, 0.1, "cost of a predicted, unconfirmed cached token"
+        ),
+        ParamSpec(
+            "temperature", float, 0.0, "softmax temperature in seconds (0: always the best)"
+        ),
+    ),
+    factory=_create,
+)

@@ -1,0 +1,153 @@
+"""Per-worker prefill and decode rates, learned online from observed TTFTs.
+
+Model (one per worker), linear in three features known at pick time:
+
+    ttft = overhead_s
+         + seconds_per_prefill_token * prefill_tokens     (queued ahead + own uncached)
+         + seconds_per_running_request * num_running       (decode batch sharing the steps)
+
+fitted by recursive least squares (RLS) with exponential forgetting, so a worker whose
+speed changes (thermal throttling, a neighbour process) is re-learned within a few
+hundred requests.
+
+NOTE: features are scaled (tokens / 1000, running / 10) so that the three coefficients
+have similar magnitude and one prior covariance fits all. The prior (``RatePrior``)
+is where an untouched worker starts; each coefficient is clamped to ``[low, high]``
+after every update, so one absurd TTFT (a stall, a GC pause) can move a rate only
+within sane bounds, and a worker with few samples never gets a negative cost.
+The covariance trace is capped to avoid "wind-up" when the inputs stop varying.
+
+Cost: O(9) floating-point operations per observation; no numpy (3x3 is faster by hand).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from router.scheduling.types import WorkerId
+
+_TOKEN_SCALE = 1000.0
+_RUNNING_SCALE = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class RatePrior:
+    """Starting point and bounds of every worker's rates (seconds)."""
+
+    overhead_s: float = 0.01
+    seconds_per_prefill_token: float = 2e-4
+    seconds_per_running_request: float = 0.002
+    min_seconds_per_prefill_token: float = 1e-7
+    max_seconds_per_prefill_token: float = 0.1
+    max_overhead_s: float = 10.0
+    max_seconds_per_running_request: float = 1.0
+    prior_variance: float = 10.0  # RLS initial covariance (scaled units); larger = weaker prior
+    forgetting: float = 0.995  # RLS forgetting factor in (0, 1]
+    max_covariance_trace: float = 1e3
+
+
+@dataclass(slots=True)
+class WorkerRates:
+    """RLS state of one worker. ``theta`` is in scaled units (see module docstring)."""
+
+    theta: list[float]
+    covariance: list[list[float]]
+    num_observations: int = 0
+    last_error_s: float = 0.0
+
+    @property
+    def overhead_s(self) -> float:
+        return self.theta[0]
+
+    @property
+    def seconds_per_prefill_token(self) -> float:
+        return self.theta[1] / _TOKEN_SCALE
+
+    @property
+    def seconds_per_running_request(self) -> float:
+        return self.theta[2] / _RUNNING_SCALE
+
+    def predict_ttft(self, prefill_tokens: float, num_running: float) -> float:
+        """Expected TTFT in seconds for this much prefill work and decode batch."""
+        return (
+            self.theta[0]
+            + self.theta[1] * (prefill_tokens / _TOKEN_SCALE)
+            + self.theta[2] * (num_running / _RUNNING_SCALE)
+        )
+
+
+@dataclass(slots=True)
+class RateLearner:
+    """Worker -> ``WorkerRates``; unseen workers read the prior."""
+
+    prior: RatePrior = field(default_factory=RatePrior)
+    worker_to_rates: dict[WorkerId, WorkerRates] = field(default_factory=dict)
+    _prior_rates: WorkerRates | None = None
+
+    def rates_of(self, worker_id: WorkerId) -> WorkerRates:
+        """The worker's current rates (the shared prior, read-only, if never observed)."""
+        rates = self.worker_to_rates.get(worker_id)
+        if rates is not None:
+            return rates
+        if self._prior_rates is None:
+            self._prior_rates = self._fresh()
+        return self._prior_rates
+
+    def observe(
+        self, worker_id: WorkerId, *, prefill_tokens: float, num_running: float, ttft_s: float
+    ) -> None:
+        """One RLS update with an observed TTFT; ignores non-finite or negative values."""
+        if not (0.0 <= ttft_s < 3600.0) or prefill_tokens < 0 or num_running < 0:
+            return
+        rates = self.worker_to_rates.get(worker_id)
+        if rates is None:
+            rates = self.worker_to_rates[worker_id] = self._fresh()
+        x = (1.0, prefill_tokens / _TOKEN_SCALE, num_running / _RUNNING_SCALE)
+        p = rates.covariance
+        px = [p[i][0] * x[0] + p[i][1] * x[1] + p[i][2] * x[2] for i in range(3)]
+        lam = self.prior.forgetting
+        denom = lam + x[0] * px[0] + x[1] * px[1] + x[2] * px[2]
+        gain = [v / denom for v in px]
+        error = ttft_s - (rates.theta[0] * x[0] + rates.theta[1] * x[1] + rates.theta[2] * x[2])
+        for i in range(3):
+            rates.theta[i] += gain[i] * error
+        for i in range(3):
+            for j in range(3):
+                p[i][j] = (p[i][j] - gain[i] * px[j]) / lam
+        trace = p[0][0] + p[1][1] + p[2][2]
+        if trace > self.prior.max_covariance_trace:
+            scale = self.prior.max_covariance_trace / trace
+            for row in p:
+                for j in range(3):
+                    row[j] *= scale
+        self._clamp(rates)
+        rates.num_observations += 1
+        rates.last_error_s = error
+
+    def forget_worker(self, worker_id: WorkerId) -> None:
+        self.worker_to_rates.pop(worker_id, None)
+
+    # -- internal helpers ------------------------------------------------------------
+
+    def _fresh(self) -> WorkerRates:
+        prior = self.prior
+        theta = [
+            prior.overhead_s,
+            prior.seconds_per_prefill_token * _TOKEN_SCALE,
+            prior.seconds_per_running_request * _RUNNING_SCALE,
+        ]
+        v = prior.prior_variance
+        covariance = [[v if i == j else 0.0 for j in range(3)] for i in range(3)]
+        return WorkerRates(theta=theta, covariance=covariance)
+
+    def _clamp(self, rates: WorkerRates) -> None:
+        prior = self.prior
+        theta = rates.theta
+        theta[0] = min(max(theta[0], 0.0), prior.max_overhead_s)
+        theta[1] = min(
+            max(theta[1], prior.min_seconds_per_prefill_token * _TOKEN_SCALE),
+            prior.max_seconds_per_prefill_token * _TOKEN_SCALE,
+        )
+        theta[2] = min(
+            max(theta[2], 0.0), prior.max_seconds_per_running_request * _RUNNING_SCALE
+        )
