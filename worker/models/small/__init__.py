@@ -1,0 +1,1 @@
+"""Model files of kvroute-small (package data)."""
