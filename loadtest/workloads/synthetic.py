@@ -134,7 +134,8 @@ class RagParams:
 def zipf_weights(count: int, exponent: float) -> npt.NDArray[np.float64]:
     """Probabilities of ranks 1..count proportional to ``rank ** -exponent``."""
     weights: npt.NDArray[np.float64] = np.arange(1, count + 1, dtype=np.float64) ** -exponent
-    return weights / weights.sum()
+    probabilities: npt.NDArray[np.float64] = weights / weights.sum()
+    return probabilities
 
 
 def build_rag(params: RagParams, seed: int, token_range: TokenRange) -> list[LoadRequest]:
