@@ -1,0 +1,196 @@
+"""The agent's ZMQ side: subscribe to the engine's KV events, replay what was missed.
+
+vLLM's publisher (``vllm/distributed/kv_events.py``) sends ``[topic, seq, payload]`` on
+a PUB socket, ``seq`` counting from 0 per engine process. Its ROUTER replay socket
+answers a request ``[b"", start_seq (8 bytes big-endian)]`` from a DEALER with
+``[b"", topic, seq, payload]`` for every buffered batch with ``seq >= start_seq``, then
+the end marker ``[b"", b"", seq=-1, b""]``. It keeps the last ``buffer_steps`` batches.
+
+The subscriber task is the only writer of ``AgentState`` (see there). Rules:
+
+- next expected engine seq is ``last + 1`` (``0`` when nothing was seen this epoch);
+- ``seq > expected``: gap -> replay ``[expected, seq)`` from the ROUTER, then apply seq;
+- ``seq <= last`` with the payload we applied at that seq: a duplicate, dropped;
+  with another payload: the engine restarted -> new epoch, then as above from 0;
+- a payload that does not decode is counted by kind and skipped (its seq is consumed,
+  so the same bad batch does not trigger endless replays).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from typing import Final
+
+import zmq
+import zmq.asyncio
+
+from kvindex.protocol import SEQ_END_MARKER, EventDecodeError, EventFrame, decode_frame
+from worker.agent.metrics import AgentMetrics
+from worker.agent.state import AgentState
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_MS: Final = 100
+REPLAY_REPLY_TIMEOUT_MS: Final = 2_000
+
+
+class EngineSubscriber:
+    """Owns the SUB socket (for its lifetime) and a DEALER per replay request."""
+
+    def __init__(
+        self,
+        state: AgentState,
+        metrics: AgentMetrics,
+        zmq_endpoint: str,
+        replay_endpoint: str | None,
+        topic: str,
+    ) -> None:
+        self._state = state
+        self._metrics = metrics
+        self._zmq_endpoint = zmq_endpoint
+        self._replay_endpoint = replay_endpoint
+        self._topic = topic
+        self._context = zmq.asyncio.Context()
+        self._last_engine_seq: int | None = None  # last engine seq applied this epoch
+        # engine seq -> hash of its payload, to tell replay duplicates from a restart
+        self._engine_seq_to_digest: OrderedDict[int, int] = OrderedDict()
+        self._max_digests = 4096
+
+    async def run(self) -> None:
+        """Consume until cancelled. Never raises on engine misbehaviour."""
+        sub = self._context.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, self._topic.encode("utf-8"))
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.connect(self._zmq_endpoint)
+        try:
+            while True:
+                try:
+                    await self._step(sub)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # NOTE: keep the agent alive whatever the engine sends
+                    logger.exception("agent subscriber step failed; continuing")
+                    await asyncio.sleep(POLL_INTERVAL_MS / 1000)
+        finally:
+            sub.close(linger=0)
+            self._context.term()
+
+    async def _step(self, sub: zmq.asyncio.Socket) -> None:
+        state = self._state
+        if state.pending_epoch_reason is not None:
+            self._begin_epoch(state.pending_epoch_reason)
+        if not state.synced and state.engine_healthy:
+            await self._sync_from_start()
+        if not await sub.poll(POLL_INTERVAL_MS):
+            return
+        frames = await sub.recv_multipart()
+        await self._on_live_frames(frames)
+
+    def _begin_epoch(self, reason: str) -> None:
+        logger.info("agent: new epoch (%s)", reason)
+        self._state.pending_epoch_reason = None
+        self._state.begin_epoch()
+        self._last_engine_seq = None
+        self._engine_seq_to_digest.clear()
+        self._metrics.epoch_changes.labels(reason=reason).inc()
+        self._update_gauges()
+
+    async def _sync_from_start(self) -> None:
+        """Load the engine's history this epoch from its replay buffer (first sync)."""
+        if self._replay_endpoint is not None:
+            last = self._last_engine_seq
+            await self._replay(start=0 if last is None else last + 1)
+        self._state.synced = True
+        self._state.notify()
+
+    async def _on_live_frames(self, frames: list[bytes]) -> None:
+        seq = _seq_of(frames)
+        if seq is None or seq == SEQ_END_MARKER:
+            self._metrics.decode_errors.labels(kind="frame").inc()
+            return
+        last = self._last_engine_seq
+        if last is not None and seq <= last:
+            if self._engine_seq_to_digest.get(seq) == hash(frames[2]):
+                self._metrics.duplicates.inc()
+                return
+            self._begin_epoch("seq_reset")
+        expected = 0 if self._last_engine_seq is None else self._last_engine_seq + 1
+        if seq > expected:
+            self._metrics.seq_gaps.inc()
+            logger.warning("agent: engine seq gap, expected %d got %d", expected, seq)
+            await self._replay(start=expected, stop_before=seq)
+        self._apply(frames, seq)
+
+    def _apply(self, frames: list[bytes], seq: int) -> None:
+        """Apply one engine message whose seq is known; a bad payload is counted."""
+        self._last_engine_seq = seq
+        self._engine_seq_to_digest[seq] = hash(frames[2])
+        if len(self._engine_seq_to_digest) > self._max_digests:
+            self._engine_seq_to_digest.popitem(last=False)
+        try:
+            frame: EventFrame = decode_frame(frames)
+        except EventDecodeError as exc:
+            self._metrics.decode_errors.labels(kind=exc.kind).inc()
+            logger.warning("agent: undecodable engine batch at seq %d: %s", seq, exc)
+            return
+        self._state.apply_engine_batch(frame.batch, engine_seq=seq)
+        self._metrics.batches_received.inc()
+        for event in frame.batch.events:
+            self._metrics.events_received.labels(type=type(event).__name__).inc()
+        self._update_gauges()
+
+    async def _replay(self, start: int, stop_before: int | None = None) -> None:
+        """Ask the ROUTER for batches from ``start``; apply those before ``stop_before``."""
+        if self._replay_endpoint is None:
+            self._metrics.replays.labels(outcome="failed").inc()
+            return
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self._replay_endpoint)
+        outcome = "complete"
+        try:
+            await dealer.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
+            while True:
+                if not await dealer.poll(REPLAY_REPLY_TIMEOUT_MS):
+                    outcome = "failed"
+                    break
+                reply = await dealer.recv_multipart()
+                frames = reply[1:] if reply and reply[0] == b"" else reply
+                seq = _seq_of(frames)
+                if seq is None:
+                    self._metrics.decode_errors.labels(kind="frame").inc()
+                    continue
+                if seq == SEQ_END_MARKER:
+                    break
+                if stop_before is not None and seq >= stop_before:
+                    continue
+                if self._last_engine_seq is not None and seq <= self._last_engine_seq:
+                    continue
+                expected = 0 if self._last_engine_seq is None else self._last_engine_seq + 1
+                if seq != expected:
+                    outcome = "incomplete"  # the engine's buffer no longer holds them
+                self._apply(frames, seq)
+        finally:
+            dealer.close(linger=0)
+        last = -1 if self._last_engine_seq is None else self._last_engine_seq
+        if stop_before is not None and last + 1 != stop_before and outcome == "complete":
+            outcome = "incomplete"
+        self._metrics.replays.labels(outcome=outcome).inc()
+        if outcome != "complete":
+            logger.warning("agent: replay from %d %s", start, outcome)
+
+    def _update_gauges(self) -> None:
+        state = self._state
+        self._metrics.live_blocks.set(len(state.block_set))
+        self._metrics.unknown_removals.set(state.block_set.num_unknown_removals)
+        self._metrics.epoch.set(state.epoch)
+        self._metrics.seq.set(state.seq)
+
+
+def _seq_of(frames: list[bytes]) -> int | None:
+    """The seq of a ``[topic, seq, payload]`` message, or None if the frames are wrong."""
+    if len(frames) != 3 or len(frames[1]) != 8:
+        return None
+    return int.from_bytes(frames[1], "big", signed=True)
