@@ -1,0 +1,297 @@
+"""One KV event subscription per routable worker, feeding the prefix index.
+
+Two kinds, chosen per worker:
+
+- **agent** (``agent_url`` set): E4's resumable stream through
+  ``router.agent_client.AgentClient``: snapshot, then live batches; the client itself
+  resumes from its cursor and resyncs on gaps or a new epoch.
+- **direct ZMQ** to a stock vLLM: endpoints from the engine's ``/kv_event_sources``;
+  bootstrap from the replay socket, then live batches from the PUB socket. A seq gap
+  asks the replay socket for the missing batches; a seq that goes backwards means the
+  engine restarted, so the worker's blocks are purged first. Weaker than the agent: a
+  router that joins after the replay buffer wrapped misses older blocks.
+
+``IndexFeed`` is the one place events reach the index for a worker; it also records
+events applied and event lag. ``SubscriptionManager.resync`` restarts a worker's
+subscription from scratch (agent: a fresh snapshot; ZMQ: purge + replay), which is the
+action taken when the scheduler reports persistent drift.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+import aiohttp
+import zmq
+import zmq.asyncio
+
+from kvindex.agent_protocol import Epoch, LoadReport, StreamSeq
+from kvindex.index import PrefixIndex, WorkerId
+from kvindex.protocol import (
+    SEQ_END_MARKER,
+    BlockStored,
+    EventBatch,
+    EventDecodeError,
+    decode_frame,
+)
+from router.fleet import Fleet, FleetWorker
+from router.metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
+
+_RESTART_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
+_REPLAY_TIMEOUT_S = 5.0
+
+
+class IndexFeed:
+    """Applies one worker's events to the index (the handler of its subscription)."""
+
+    def __init__(
+        self, worker_id: WorkerId, index: PrefixIndex, fleet: Fleet, metrics: RouterMetrics
+    ) -> None:
+        self.worker_id = worker_id
+        self._index = index
+        self._fleet = fleet
+        self._metrics = metrics
+        self._events_applied = metrics.events_applied.labels(worker=worker_id)
+        self.num_snapshots = 0  # snapshots applied (each one a resync)
+
+    def on_snapshot(self, epoch: Epoch, seq: StreamSeq, events: Sequence[BlockStored]) -> None:
+        now = time.monotonic()
+        self._index.clear_worker(self.worker_id)
+        for event in events:
+            self._index.apply(self.worker_id, event, now)
+        self.num_snapshots += 1
+        self._events_applied.inc(len(events))
+        log.info(
+            "worker %s: snapshot epoch %s seq %s, %d blocks events",
+            self.worker_id,
+            epoch,
+            seq,
+            len(events),
+        )
+
+    def on_batch(self, epoch: Epoch, seq: StreamSeq, batch: EventBatch) -> None:
+        self.apply_batch(batch)
+
+    def on_load(self, report: LoadReport) -> None:
+        self._fleet.update_load(
+            self.worker_id,
+            num_running=report.num_running,
+            num_waiting=report.num_waiting,
+            kv_usage=report.kv_usage,
+            prefill_tokens_queued=report.prefill_tokens_queued,
+        )
+
+    def on_disconnect(self) -> None:
+        log.info("worker %s: event stream disconnected", self.worker_id)
+
+    def apply_batch(self, batch: EventBatch) -> None:
+        self._index.apply_batch(self.worker_id, batch, time.monotonic())
+        self._events_applied.inc(len(batch.events))
+        if batch.ts > 0:
+            self._metrics.event_lag.observe(max(0.0, time.time() - batch.ts))
+
+    def purge(self) -> None:
+        self._index.clear_worker(self.worker_id)
+
+
+class SubscriptionManager:
+    """Owns one asyncio task per subscribed worker; implements the fleet's ``Subscriber``."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        index: PrefixIndex,
+        fleet: Fleet,
+        metrics: RouterMetrics,
+        agent_token: str | None,
+    ) -> None:
+        self._session = session
+        self._index = index
+        self._fleet = fleet
+        self._metrics = metrics
+        self._agent_token = agent_token
+        self._zmq = zmq.asyncio.Context()
+        self.tasks: dict[WorkerId, asyncio.Task[None]] = {}
+        self.feeds: dict[WorkerId, IndexFeed] = {}
+
+    def start(self, worker: FleetWorker) -> None:
+        worker_id = worker.view.worker_id
+        self.stop(worker_id)
+        feed = IndexFeed(worker_id, self._index, self._fleet, self._metrics)
+        self.feeds[worker_id] = feed
+        self.tasks[worker_id] = asyncio.get_running_loop().create_task(
+            self._run(worker, feed), name=f"kv-subscription-{worker_id}"
+        )
+
+    def stop(self, worker_id: WorkerId) -> None:
+        task = self.tasks.pop(worker_id, None)
+        self.feeds.pop(worker_id, None)
+        if task is not None:
+            task.cancel()
+
+    def resync(self, worker_id: WorkerId, reason: str) -> bool:
+        """Rebuild the worker's index entries from scratch; False if it is not subscribed."""
+        worker = self._fleet.workers.get(worker_id)
+        if worker is None or worker_id not in self.tasks:
+            return False
+        log.warning("worker %s: resync (%s)", worker_id, reason)
+        self._metrics.resyncs.labels(worker=worker_id, reason=reason).inc()
+        self.start(worker)
+        return True
+
+    async def close(self) -> None:
+        tasks = list(self.tasks.values())
+        for worker_id in list(self.tasks):
+            self.stop(worker_id)
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._zmq.destroy(linger=0)
+
+    async def _run(self, worker: FleetWorker, feed: IndexFeed) -> None:
+        attempt = 0
+        while True:
+            try:
+                if worker.spec.agent_url is not None:
+                    await self._run_agent(worker.spec.agent_url, feed)
+                else:
+                    await ZmqSubscription(self._session, self._zmq, worker, feed, self._fleet).run()
+                attempt = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("worker %s: subscription failed: %r", feed.worker_id, exc)
+            delay = _RESTART_BACKOFF_S[min(attempt, len(_RESTART_BACKOFF_S) - 1)]
+            attempt += 1
+            await asyncio.sleep(delay)
+
+    async def _run_agent(self, agent_url: str, feed: IndexFeed) -> None:
+        from router.agent_client import AgentClient
+
+        client = AgentClient(self._session, agent_url, self._agent_token, feed)
+        await client.run()
+
+
+class ZmqSubscription:
+    """Direct subscription to a stock vLLM's ZMQ publisher (see the module docstring)."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        context: zmq.asyncio.Context,
+        worker: FleetWorker,
+        feed: IndexFeed,
+        fleet: Fleet,
+    ) -> None:
+        self._session = session
+        self._context = context
+        self._worker = worker
+        self._feed = feed
+        self._fleet = fleet
+        self._last_seq: int | None = None  # seq of the last batch applied
+        self._block_size_known = False
+
+    async def run(self) -> None:
+        endpoint, replay_endpoint, topic = await self._sources()
+        sub = self._context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        sub.connect(endpoint)
+        try:
+            self._feed.purge()
+            if replay_endpoint is not None:
+                await self._replay(replay_endpoint, 0)
+            while True:
+                frames = await sub.recv_multipart()
+                await self._on_frames(frames, replay_endpoint)
+        finally:
+            sub.close(linger=0)
+
+    async def _on_frames(self, frames: list[bytes], replay_endpoint: str | None) -> None:
+        try:
+            frame = decode_frame(frames)
+        except EventDecodeError as exc:
+            log.warning("worker %s: bad KV event frame: %s", self._feed.worker_id, exc)
+            return
+        last = self._last_seq
+        if last is not None and frame.seq <= last:
+            if frame.seq < last and frame.seq == 0:
+                log.warning("worker %s: seq reset (engine restart), purging", self._feed.worker_id)
+                self._feed.purge()
+                self._last_seq = None
+            else:
+                return  # already applied (replay overlap)
+        elif last is not None and frame.seq > last + 1 and replay_endpoint is not None:
+            await self._replay(replay_endpoint, last + 1)
+            if self._last_seq is not None and frame.seq <= self._last_seq:
+                return
+        self._apply(frame.seq, frame.batch)
+
+    def _apply(self, seq: int, batch: EventBatch) -> None:
+        if not self._block_size_known:
+            for event in batch.events:
+                if isinstance(event, BlockStored):
+                    self._fleet.set_block_size(self._feed.worker_id, event.block_size)
+                    self._block_size_known = True
+                    break
+        self._feed.apply_batch(batch)
+        self._last_seq = seq
+
+    async def _replay(self, replay_endpoint: str, start_seq: int) -> None:
+        """Apply every buffered batch from ``start_seq`` (vLLM's ROUTER replay protocol)."""
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(replay_endpoint)
+        try:
+            await dealer.send_multipart([b"", start_seq.to_bytes(8, "big")])
+            async with asyncio.timeout(_REPLAY_TIMEOUT_S):
+                while True:
+                    frames = await dealer.recv_multipart()
+                    body = frames[1:] if frames and frames[0] == b"" else frames
+                    if (
+                        len(body) == 3
+                        and int.from_bytes(body[1], "big", signed=True) == SEQ_END_MARKER
+                    ):
+                        return
+                    try:
+                        frame = decode_frame(body)
+                    except EventDecodeError as exc:
+                        log.warning("worker %s: bad replay frame: %s", self._feed.worker_id, exc)
+                        continue
+                    if self._last_seq is None or frame.seq > self._last_seq:
+                        self._apply(frame.seq, frame.batch)
+        except TimeoutError:
+            log.warning("worker %s: replay from %d timed out", self._feed.worker_id, start_seq)
+        finally:
+            dealer.close(linger=0)
+
+    async def _sources(self) -> tuple[str, str | None, str]:
+        url = self._worker.spec.url
+        async with self._session.get(url + "/kv_event_sources") as resp:
+            resp.raise_for_status()
+            sources = await resp.json()
+        if not sources:
+            raise RuntimeError(f"{url} publishes no KV events (/kv_event_sources is empty)")
+        config = sources.get("0") or next(iter(sources.values()))
+        host = urlsplit(url).hostname or "127.0.0.1"
+        endpoint = _connectable(str(config["endpoint"]), host)
+        replay = config.get("replay_endpoint")
+        return (
+            endpoint,
+            _connectable(str(replay), host) if replay else None,
+            str(config.get("topic") or ""),
+        )
+
+
+def _connectable(endpoint: str, host: str) -> str:
+    """A bind address (``tcp://*:5557``) as an address to connect to on ``host``."""
+    for wildcard in ("*", "0.0.0.0"):
+        endpoint = endpoint.replace(f"//{wildcard}:", f"//{host}:")
+    return endpoint
