@@ -1,0 +1,52 @@
+"""The shared vLLM test servers (``tests/engines.py``, fixture ``vllm_servers``)."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from typing import Any
+
+import pytest
+
+from tests.engines import BLOCK_SIZE, VllmServer, free_port, post_json, reset_prefix_cache
+
+
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def _cached_tokens(server: VllmServer, prompt: str) -> int:
+    body = {"model": server.model_name, "prompt": prompt, "max_tokens": 1}
+    response: Any = post_json(f"{server.base_url}/v1/completions", body)
+    return int(response["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_free_port_is_bindable() -> None:
+    assert 0 < free_port() < 65536
+
+
+@pytest.mark.vllm
+def test_shared_servers_serve_the_tiny_model(vllm_servers: tuple[VllmServer, ...]) -> None:
+    assert len(vllm_servers) == 2
+    assert len({server.port for server in vllm_servers}) == 2
+    for server in vllm_servers:
+        assert server.is_healthy()
+        models = _get_json(f"{server.base_url}/v1/models")
+        assert [model["id"] for model in models["data"]] == ["kvroute-tiny"]
+        sources = _get_json(f"{server.base_url}/kv_event_sources")
+        (source,) = sources.values()
+        assert source["endpoint"] == f"tcp://*:{server.zmq_port}"
+        assert source["replay_endpoint"] == f"tcp://*:{server.replay_port}"
+        assert source["topic"] == "kv"
+
+
+@pytest.mark.vllm
+def test_prefix_cache_hits_and_reset(vllm_servers: tuple[VllmServer, ...]) -> None:
+    server = vllm_servers[0]
+    reset_prefix_cache(server)
+    prompt = "shared engine fixture test " * 10  # 270 bytes = 270 tokens
+    assert _cached_tokens(server, prompt) == 0
+    assert _cached_tokens(server, prompt) == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    reset_prefix_cache(server)
+    assert _cached_tokens(server, prompt) == 0
