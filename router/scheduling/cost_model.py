@@ -85,8 +85,6 @@ def decode_batch(load: WorkerLoad) -> int:
     return max(load.num_running, load.num_inflight)
 
 
-def expected_ttft(
-    rates: WorkerRates, load: WorkerLoad, uncached_tokens: float
-) -> float:
+def expected_ttft(rates: WorkerRates, load: WorkerLoad, uncached_tokens: float) -> float:
     """The cache-aware score of one worker, in seconds (lower is better)."""
     return rates.predict_ttft(queued_prefill_tokens(load) + uncached_tokens, decode_batch(load))

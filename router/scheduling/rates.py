@@ -148,6 +148,4 @@ class RateLearner:
             max(theta[1], prior.min_seconds_per_prefill_token * _TOKEN_SCALE),
             prior.max_seconds_per_prefill_token * _TOKEN_SCALE,
         )
-        theta[2] = min(
-            max(theta[2], 0.0), prior.max_seconds_per_running_request * _RUNNING_SCALE
-        )
+        theta[2] = min(max(theta[2], 0.0), prior.max_seconds_per_running_request * _RUNNING_SCALE)

@@ -100,6 +100,4 @@ def _convert(policy: str, spec: ParamSpec, value: object) -> ParamValue:
             return float(value)
         return str(value)
     except ValueError:
-        raise PolicyConfigError(
-            f"{where} must be {spec.kind.__name__}, got {value!r}"
-        ) from None
+        raise PolicyConfigError(f"{where} must be {spec.kind.__name__}, got {value!r}") from None

@@ -66,9 +66,7 @@ class Scheduler:
         self.drift = DriftTracker(drift or DriftConfig())
         self.tier_costs = tier_costs or TierCosts()  # for the router-side inflight estimate
         # (base root, lora, salt) -> effective namespace; bounded LRU.
-        self._namespaces: OrderedDict[tuple[int, str | None, str | None], Namespace] = (
-            OrderedDict()
-        )
+        self._namespaces: OrderedDict[tuple[int, str | None, str | None], Namespace] = OrderedDict()
 
     # -- public API ------------------------------------------------------------------
 

@@ -68,10 +68,7 @@ class ApproxPrefixPolicy(BasePolicy):
         candidates = ctx.candidates
         loads = [load_score(w) for w in candidates]
         least, most = min(loads), max(loads)
-        if (
-            most - least > self.balance_abs_threshold
-            and most > least * self.balance_rel_threshold
-        ):
+        if most - least > self.balance_abs_threshold and most > least * self.balance_rel_threshold:
             return argmin_random_tie(candidates, [float(x) for x in loads], ctx.rng)
         matched = self.matched_blocks(ctx)
         best = max(matched.values(), default=0)
@@ -114,9 +111,7 @@ class ApproxPrefixPolicy(BasePolicy):
 
     # -- internal helpers ------------------------------------------------------------
 
-    def _walk(
-        self, hashes: Sequence[BlockHash], members: list[WorkerView]
-    ) -> dict[WorkerId, int]:
+    def _walk(self, hashes: Sequence[BlockHash], members: list[WorkerView]) -> dict[WorkerId, int]:
         alive = {w.worker_id for w in members}
         matched: dict[WorkerId, int] = {}
         history = self.block_to_workers

@@ -5,6 +5,15 @@ this prompt's tokens it has not cached (CPU/disk-tier and predicted blocks charg
 fraction), times its learned seconds per prefill token, plus its overhead and a
 decode-load term (see ``router.scheduling.cost_model`` for the formula).
 
+To that TTFT the score adds ``added_work_weight x uncached x seconds_per_prefill_token``:
+the prefill this request adds delays every later request on that worker, which a pure
+TTFT greedy ignores. NOTE: without it a burst of requests on one new long prefix is a
+wash for TTFT (the second request waits for the first's prefill either way) and the
+greedy spreads the prefix's prefill over every worker; with the default 0.5 the burst
+lands together (predicted blocks) until the queue there outweighs the saved prefill,
+then spills. A shared first block alone is worth only ``1.5 x block_size`` tokens, so
+queued work still dominates (the Mooncake case).
+
 Lowest wins, ties at random. With ``temperature`` > 0 (seconds) the worker is sampled
 with probability proportional to ``exp(-(ttft - best) / temperature)`` instead, which
 spreads near-equal choices and keeps every worker's rates observed.
@@ -33,11 +42,20 @@ from router.scheduling.types import WorkerView
 class CacheAwarePolicy(BasePolicy):
     name = "cache_aware"
 
-    def __init__(self, *, costs: TierCosts | None = None, temperature: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        costs: TierCosts | None = None,
+        temperature: float = 0.0,
+        added_work_weight: float = 0.5,
+    ) -> None:
         if temperature < 0:
             raise ValueError("temperature must be >= 0")
+        if added_work_weight < 0:
+            raise ValueError("added_work_weight must be >= 0")
         self.costs = costs or TierCosts()
         self.temperature = temperature
+        self.added_work_weight = added_work_weight
 
     def choose(self, ctx: PickContext) -> WorkerView:
         candidates = ctx.candidates
@@ -53,12 +71,17 @@ class CacheAwarePolicy(BasePolicy):
         num_prompt_tokens = len(ctx.request.prompt_token_ids)
         rates_of = ctx.rates.rates_of
         costs = self.costs
+        weight = self.added_work_weight
         scores = []
         for worker in ctx.candidates:
             uncached = effective_uncached_tokens(
                 ctx.overlap(worker), worker.namespace.block_size, num_prompt_tokens, costs
             )
-            scores.append(expected_ttft(rates_of(worker.worker_id), worker.load, uncached))
+            rates = rates_of(worker.worker_id)
+            scores.append(
+                expected_ttft(rates, worker.load, uncached)
+                + weight * uncached * rates.seconds_per_prefill_token
+            )
         return scores
 
     def _sample(self, ctx: PickContext, scores: list[float]) -> WorkerView:
@@ -73,7 +96,11 @@ def _create(params: Mapping[str, ParamValue]) -> CacheAwarePolicy:
         disk=float(params["disk_cost"]),
         predicted=float(params["predicted_cost"]),
     )
-    return CacheAwarePolicy(costs=costs, temperature=float(params["temperature"]))
+    return CacheAwarePolicy(
+        costs=costs,
+        temperature=float(params["temperature"]),
+        added_work_weight=float(params["added_work_weight"]),
+    )
 
 
 SPEC = PolicySpec(
@@ -82,11 +109,13 @@ SPEC = PolicySpec(
     params=(
         ParamSpec("cpu_cost", float, 0.25, "cost of a CPU-tier cached token (1 = prefill)"),
         ParamSpec("disk_cost", float, 0.5, "cost of a disk-tier cached token (1 = prefill)"),
+        ParamSpec("predicted_cost", float, 0.1, "cost of a predicted, unconfirmed cached token"),
+        ParamSpec("temperature", float, 0.0, "softmax temperature in seconds (0: always the best)"),
         ParamSpec(
-            "predicted_cost", float, 0.1, "cost of a predicted, unconfirmed cached token"
-        ),
-        ParamSpec(
-            "temperature", float, 0.0, "softmax temperature in seconds (0: always the best)"
+            "added_work_weight",
+            float,
+            0.5,
+            "weight of the prefill a request adds to a worker (delays later requests)",
         ),
     ),
     factory=_create,

@@ -1,0 +1,178 @@
+"""``cache_aware``: the cached worker wins at equal load, load spreads, tiers and
+namespaces count, and a shared first block never funnels everything to one worker."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from kvindex.hashing import Namespace, hash_prompt
+from kvindex.index import PrefixIndex
+from router.scheduling.cost_model import TierCosts, effective_uncached_tokens, hit_tokens
+from router.scheduling.policies.cache_aware import CacheAwarePolicy
+from router.scheduling.scheduler import Scheduler
+from tests.router.test_scheduling_policies import (
+    BLOCK,
+    MODEL,
+    finish,
+    make_fleet,
+    request,
+    scheduler,
+    store,
+    tokens,
+)
+
+
+def test_picks_the_cached_worker_when_loads_are_equal() -> None:
+    prompt = tokens(1, 40 * BLOCK)
+    for seed in range(20):
+        index, workers = make_fleet(4)
+        store(index, "w2", prompt[: 30 * BLOCK])
+        store(index, "w1", prompt[: 5 * BLOCK])
+        sched = scheduler(index, "cache_aware", seed=seed)
+        decision = sched.pick(request(prompt), workers)
+        assert decision is not None and decision.worker_id == "w2"
+        assert decision.predicted_cached_tokens == 30 * BLOCK
+        assert decision.inflight_prefill_tokens == 10 * BLOCK
+        finish(sched, decision)
+
+
+def test_spreads_when_the_cached_worker_is_overloaded() -> None:
+    index, workers = make_fleet(3)
+    prompt = tokens(2, 20 * BLOCK)
+    store(index, "w0", prompt)
+    workers[0].load.prefill_tokens_queued = 50 * BLOCK  # far more than the prompt
+    workers[0].load.num_running = 8
+    sched = scheduler(index, "cache_aware")
+    decision = sched.pick(request(prompt), workers)
+    assert decision is not None and decision.worker_id in {"w1", "w2"}
+
+
+def test_burst_on_one_new_prefix_lands_together_then_spills() -> None:
+    """Predicted blocks pull a burst together; queued prefill pushes it out again."""
+    index, workers = make_fleet(4)
+    system = tokens(3, 64 * BLOCK)
+    sched = scheduler(index, "cache_aware")
+    picks = []
+    for seed in range(12):
+        decision = sched.pick(request([*system, *tokens(100 + seed, 2 * BLOCK)]), workers)
+        assert decision is not None
+        picks.append(decision.worker_id)
+    assert picks[1] == picks[0]  # the second request reuses the first's predicted blocks
+    assert len(set(picks)) > 1  # but not all twelve queue behind each other
+
+
+def test_never_sends_everything_to_one_worker_when_only_the_first_block_is_shared() -> None:
+    """The Mooncake trace: every request shares block 0, nothing else."""
+    index, workers = make_fleet(8)
+    first_block = tokens(4, BLOCK)
+    for w in workers[:1]:
+        store(index, w.worker_id, first_block)
+    sched = scheduler(index, "cache_aware")
+    counts: Counter[str] = Counter()
+    live = []
+    rng = random.Random(0)
+    for i in range(400):
+        prompt = [*first_block, *tokens(1000 + i, rng.randrange(8, 64) * BLOCK)]
+        decision = sched.pick(request(prompt), workers)
+        assert decision is not None
+        counts[decision.worker_id] += 1
+        live.append(decision)
+        if len(live) > 16:  # about 16 requests in flight at a time
+            finish(sched, live.pop(rng.randrange(len(live))))
+    assert len(counts) == 8
+    assert max(counts.values()) <= 2 * 400 / 8
+
+
+def test_gpu_blocks_beat_cpu_and_disk_blocks() -> None:
+    index, workers = make_fleet(3)
+    prompt = tokens(5, 20 * BLOCK)
+    store(index, "w0", prompt, medium="CPU")
+    store(index, "w1", prompt)
+    store(index, "w2", prompt, medium="STORAGE")
+    decision = scheduler(index, "cache_aware").pick(request(prompt), workers)
+    assert decision is not None and decision.worker_id == "w1"
+    workers[1].healthy = False
+    decision = scheduler(index, "cache_aware").pick(request(prompt), workers)
+    assert decision is not None and decision.worker_id == "w0"
+
+
+def test_hashes_once_per_namespace_and_respects_block_size_and_salt() -> None:
+    index, small = make_fleet(2, prefix="s")
+    big_ns = Namespace(MODEL, block_size=2 * BLOCK)
+    _, big = make_fleet(2, namespace=big_ns, index=index, prefix="b")
+    prompt = tokens(6, 32 * BLOCK)
+    store(index, "b1", prompt, block_size=2 * BLOCK)
+    sched = scheduler(index, "cache_aware")
+    decision = sched.pick(request(prompt), [*small, *big])
+    assert decision is not None and decision.worker_id == "b1"
+    assert decision.block_hashes == hash_prompt(big_ns, prompt)
+    assert decision.predicted_cached_tokens == 15 * 2 * BLOCK  # 15 of 16 big blocks (vLLM cap)
+    # A tenant's salt changes every hash: the unsalted blocks are no hit.
+    salted = sched.pick(request(prompt, cache_salt="tenant-a"), [*small, *big])
+    assert salted is not None and salted.predicted_cached_tokens == 0
+
+
+def test_ties_break_at_random() -> None:
+    index, workers = make_fleet(4)
+    chosen = Counter()
+    sched = scheduler(index, "cache_aware")
+    for seed in range(200):
+        decision = sched.pick(request(tokens(seed, 3 * BLOCK)), workers)
+        assert decision is not None
+        chosen[decision.worker_id] += 1
+        finish(sched, decision)
+    assert len(chosen) == 4 and min(chosen.values()) >= 25
+
+
+def test_temperature_samples_near_equal_workers() -> None:
+    prompt = tokens(7, 4 * BLOCK)
+
+    def picks(temperature: float) -> Counter[str]:
+        index, workers = make_fleet(2)
+        store(index, "w0", prompt)  # w0 slightly better
+        policy = CacheAwarePolicy(temperature=temperature)
+        sched = Scheduler(index, policy, rng=random.Random(1), prediction_ttl_s=0.0)
+        counts: Counter[str] = Counter()
+        for _ in range(100):
+            decision = sched.pick(request(prompt), workers)
+            assert decision is not None
+            counts[decision.worker_id] += 1
+            sched.on_finish(decision, num_cached_tokens=None, ok=True)  # rates stay put
+        return counts
+
+    assert picks(0.0) == Counter({"w0": 100})
+    assert picks(10.0)["w1"] > 20
+
+
+@pytest.mark.parametrize("num_prompt_tokens", [1, 16, 17, 100])
+def test_cost_model_credits(num_prompt_tokens: int) -> None:
+    from kvindex.index import Overlap
+
+    costs = TierCosts(cpu=0.5, disk=1.0, predicted=0.0)
+    max_blocks = (num_prompt_tokens - 1) // BLOCK
+    gpu = Overlap(num_blocks=10, num_gpu=10, num_cpu=0, num_disk=0, num_predicted=0)
+    hit = hit_tokens(10, BLOCK, num_prompt_tokens)
+    assert hit == min(10, max_blocks) * BLOCK
+    assert (
+        effective_uncached_tokens(gpu, BLOCK, num_prompt_tokens, costs) == num_prompt_tokens - hit
+    )
+    assert effective_uncached_tokens(None, BLOCK, num_prompt_tokens, costs) == num_prompt_tokens
+    cpu = Overlap(num_blocks=2, num_gpu=0, num_cpu=2, num_disk=0, num_predicted=0)
+    expected = num_prompt_tokens - hit_tokens(2, BLOCK, num_prompt_tokens)
+    expected += 0.5 * BLOCK * min(2, max_blocks)
+    assert effective_uncached_tokens(cpu, BLOCK, num_prompt_tokens, costs) == expected
+
+
+def test_scores_are_seconds_from_learned_rates() -> None:
+    index: PrefixIndex
+    index, workers = make_fleet(2)
+    sched = scheduler(index, "cache_aware")
+    for _ in range(200):  # w0 learns it is 10x slower than the prior says
+        sched.rates.observe(workers[0].worker_id, prefill_tokens=1000, num_running=0, ttft_s=2.0)
+    for seed in range(10):
+        decision = sched.pick(request(tokens(seed, 10 * BLOCK)), workers)
+        assert decision is not None and decision.worker_id == "w1"
+        finish(sched, decision)

@@ -1,0 +1,119 @@
+"""The online rate learner converges on synthetic TTFTs; drift detection fires on
+persistent, not isolated, prediction errors."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from router.scheduling.drift import DriftConfig, DriftTracker
+from router.scheduling.rates import RateLearner, RatePrior
+from router.scheduling.types import WorkerId
+from tests.router.test_scheduling_policies import (
+    BLOCK,
+    finish,
+    make_fleet,
+    request,
+    scheduler,
+    tokens,
+)
+
+W = WorkerId("w")
+
+
+@pytest.mark.parametrize(
+    ("overhead", "per_token", "per_running"),
+    [(0.02, 5e-4, 0.003), (0.001, 2e-5, 0.0), (0.1, 3e-3, 0.01)],
+)
+def test_rls_converges_on_noisy_synthetic_ttfts(
+    overhead: float, per_token: float, per_running: float
+) -> None:
+    rng = random.Random(42)
+    learner = RateLearner()
+    for _ in range(2000):
+        tokens_ = rng.randrange(0, 8000)
+        running = rng.randrange(0, 32)
+        ttft = overhead + per_token * tokens_ + per_running * running
+        learner.observe(
+            W, prefill_tokens=tokens_, num_running=running, ttft_s=ttft * rng.uniform(0.95, 1.05)
+        )
+    rates = learner.rates_of(W)
+    assert rates.seconds_per_prefill_token == pytest.approx(per_token, rel=0.1, abs=1e-6)
+    # Overhead and decode terms are weakly excited next to multi-second prefill times
+    # with 5% noise; what matters is that predictions are right.
+    errors = []
+    for _ in range(200):
+        tokens_, running = rng.randrange(0, 8000), rng.randrange(0, 32)
+        truth = overhead + per_token * tokens_ + per_running * running
+        errors.append(abs(rates.predict_ttft(tokens_, running) - truth) / truth)
+    assert sum(errors) / len(errors) < 0.05
+    assert rates.num_observations == 2000
+
+
+def test_rates_track_a_slowdown_and_stay_within_bounds() -> None:
+    prior = RatePrior()
+    learner = RateLearner(prior)
+    for i in range(3000):
+        per_token = 1e-4 if i < 1500 else 1e-3  # the worker becomes 10x slower
+        n = 500 + (i * 37) % 4000
+        learner.observe(W, prefill_tokens=n, num_running=i % 8, ttft_s=0.01 + per_token * n)
+    assert learner.rates_of(W).seconds_per_prefill_token == pytest.approx(1e-3, rel=0.1)
+    for bad in (1e6, -1.0, math.nan, math.inf):  # absurd or broken observations
+        learner.observe(W, prefill_tokens=100, num_running=0, ttft_s=bad)
+    rates = learner.rates_of(W)
+    assert prior.min_seconds_per_prefill_token <= rates.seconds_per_prefill_token
+    assert rates.seconds_per_prefill_token <= prior.max_seconds_per_prefill_token
+    assert 0.0 <= rates.overhead_s <= prior.max_overhead_s
+    assert (
+        learner.rates_of(WorkerId("new")).seconds_per_prefill_token
+        == prior.seconds_per_prefill_token
+    )
+
+
+def test_scheduler_learns_from_first_tokens() -> None:
+    index, workers = make_fleet(1)
+    sched = scheduler(index, "cache_aware")
+    for seed in range(300):
+        decision = sched.pick(request(tokens(seed, (1 + seed % 20) * BLOCK)), workers)
+        assert decision is not None
+        sched.on_first_token(decision, 0.005 + 1e-3 * decision.inflight_prefill_tokens)
+        sched.on_finish(decision, num_cached_tokens=0, ok=True)
+    learned = sched.rates.rates_of(workers[0].worker_id).seconds_per_prefill_token
+    assert learned == pytest.approx(1e-3, rel=0.1)
+
+
+def test_drift_fires_after_a_streak_and_not_on_isolated_errors() -> None:
+    tracker = DriftTracker(
+        DriftConfig(abs_tolerance_tokens=32, rel_tolerance=0.1, consecutive_limit=3)
+    )
+    assert not tracker.observe(W, 1000, 1020)  # within tolerance
+    assert not tracker.observe(W, 1000, 0)
+    assert not tracker.observe(W, 1000, 0)
+    assert not tracker.observe(W, 1000, 990)  # streak broken
+    assert [tracker.observe(W, 0, 640) for _ in range(4)] == [False, False, True, False]
+    stats = tracker.stats_of(W)
+    assert (stats.num_checked, stats.num_drifted, stats.num_resyncs_requested) == (8, 6, 1)
+    assert stats.last_error_tokens == 640
+    assert stats.mean_abs_error_tokens == pytest.approx((20 + 1000 + 1000 + 10 + 4 * 640) / 8)
+
+
+def test_scheduler_reports_persistent_drift_per_worker() -> None:
+    index, workers = make_fleet(2)
+    sched = scheduler(index, "round_robin")
+    resyncs = []
+    for seed in range(40):
+        decision = sched.pick(request(tokens(seed, 10 * BLOCK)), workers)
+        assert decision is not None
+        # w0's engine keeps reporting hits the index does not know about.
+        cached = 8 * BLOCK if decision.worker_id == "w0" else decision.predicted_cached_tokens
+        if finish(sched, decision, cached):
+            resyncs.append(decision.worker_id)
+    assert resyncs and set(resyncs) == {"w0"}
+    assert sched.drift_of(workers[0].worker_id).num_resyncs_requested == len(resyncs)
+    assert sched.drift_of(workers[1].worker_id).num_drifted == 0
+    # A failed request or one without usage is not compared.
+    decision = sched.pick(request(tokens(99, 10 * BLOCK)), workers)
+    assert decision is not None
+    assert sched.on_finish(decision, num_cached_tokens=None, ok=True) is False
