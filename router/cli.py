@@ -18,6 +18,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("loadtest.up", "start a router and N workers on loopback until Ctrl-C"),
     "demo": ("loadtest.demo", "compare round_robin and cache_aware on a small simulated fleet"),
     "loadtest": ("loadtest.compare", "run one workload against several policies and report"),
+    "sweep": ("loadtest.sweep", "sweep offered load x policy on a simulated Mooncake replay"),
+    "router": ("router.server_cli", "run the cache-aware OpenAI-compatible router"),
 }
 
 

@@ -196,7 +196,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         text = f"{opt.help} [env {ENV_PREFIX}{opt.name.upper()}; default {shown}]"
         if opt.kind in ("workers", "mapping"):
             parser.add_argument(
-                flag, dest=opt.name, action="append", help=text, default=argparse.SUPPRESS
+                flag,
+                metavar="SPEC" if opt.kind == "workers" else "MODEL=DIR",
+                dest=opt.name,
+                action="append",
+                help=text,
+                default=argparse.SUPPRESS,
             )
         elif opt.kind == "bool":
             parser.add_argument(

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -29,7 +29,9 @@ from kvindex.hashing import Namespace
 from kvindex.index import PrefixIndex, WorkerId
 from router.config import RouterConfig, WorkerSpec
 from router.scheduling.types import WorkerLoad, WorkerView
-from router.tokenization import ModelTokenizer
+
+if TYPE_CHECKING:
+    from router.tokenization import ModelTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,8 @@ class TokenizerRegistry:
             path = self.dir_of(model)
             tokenizer = self._by_dir.get(path)
             if tokenizer is None:
+                from router.tokenization import ModelTokenizer
+
                 tokenizer = ModelTokenizer.from_dir(path)
                 self._by_dir[path] = tokenizer
             self._by_model[model] = tokenizer

@@ -1,0 +1,246 @@
+"""Fault handling of the proxy (issue point 6) against fake workers that misbehave on cue.
+
+Each test starts real HTTP servers on free loopback ports: the router app and one or
+two fakes from ``tests.router.fakes``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+
+import aiohttp
+from aiohttp import web
+
+from router.app import FLEET, PROXY
+from tests.router.fakes import (
+    MODEL,
+    FakeBehaviour,
+    fake_workers,
+    router_config,
+    run,
+    running_router,
+)
+
+STREAM_BODY = {"model": MODEL, "prompt": "hello world " * 8, "max_tokens": 3, "stream": True}
+UNARY_BODY = {"model": MODEL, "prompt": "hello world " * 8, "max_tokens": 3}
+
+
+async def _sse_events(resp: aiohttp.ClientResponse) -> list[str]:
+    text = (await resp.read()).decode()
+    return [e.removeprefix("data: ") for e in text.split("\n\n") if e.strip()]
+
+
+def test_stream_passes_through_and_strips_the_usage_chunk_the_client_did_not_ask_for() -> None:
+    async def main() -> None:
+        async with (
+            fake_workers(FakeBehaviour(num_chunks=3, cached_tokens=32)) as (worker,),
+            running_router(router_config([worker])) as (_, url),
+            aiohttp.ClientSession() as session,
+        ):
+            async with session.post(url + "/v1/completions", json=STREAM_BODY) as resp:
+                assert resp.status == 200
+                assert resp.headers["Content-Type"].startswith("text/event-stream")
+                events = await _sse_events(resp)
+            assert events[-1] == "[DONE]"
+            chunks = [json.loads(e) for e in events[:-1]]
+            assert [c["choices"][0]["text"] for c in chunks] == ["t0", "t1", "t2"]
+            # the router asked the worker for usage, and hid that chunk from the client
+            assert worker.bodies[0]["stream_options"] == {"include_usage": True}
+            body = {**STREAM_BODY, "stream_options": {"include_usage": True}}
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                events = await _sse_events(resp)
+            usage = json.loads(events[-2])["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] == 32
+            # fields the router does not own arrive unchanged
+            assert worker.bodies[1] == body
+
+    run(main())
+
+
+def test_connect_error_before_first_byte_retries_on_another_worker() -> None:
+    async def main() -> None:
+        async with (
+            fake_workers(FakeBehaviour(), FakeBehaviour()) as (dead, alive),
+            running_router(router_config([dead, alive])) as (_, url),
+            aiohttp.ClientSession() as session,
+        ):
+            await dead.stop()  # still healthy in the router's eyes: connect error
+            for body in (STREAM_BODY, UNARY_BODY, STREAM_BODY, UNARY_BODY):
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    await resp.read()
+            assert len(alive.bodies) == 4
+
+    run(main())
+
+
+def test_5xx_before_first_byte_retries_on_another_worker() -> None:
+    async def main() -> None:
+        async with (
+            fake_workers(FakeBehaviour(mode="http_500"), FakeBehaviour()) as (bad, good),
+            running_router(router_config([bad, good])) as (_, url),
+            aiohttp.ClientSession() as session,
+        ):
+            for body in (STREAM_BODY, UNARY_BODY):
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+            assert len(bad.bodies) >= 1
+            assert len(good.bodies) == 2
+
+    run(main())
+
+
+def test_every_worker_failing_gives_502_in_openai_error_format() -> None:
+    async def main() -> None:
+        async with (
+            fake_workers(FakeBehaviour(mode="http_500"), FakeBehaviour(mode="http_500")) as ws,
+            running_router(router_config(ws, max_attempts=2)) as (_, url),
+            aiohttp.ClientSession() as session,
+        ):
+            async with session.post(url + "/v1/completions", json=UNARY_BODY) as resp:
+                assert resp.status == 502
+                error = (await resp.json())["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert sum(len(w.bodies) for w in ws) == 2  # bounded: one try per worker
+
+    run(main())
+
+
+def test_worker_dying_mid_stream_ends_the_stream_with_an_error_event() -> None:
+    async def main() -> None:
+        async with (
+            fake_workers(FakeBehaviour(mode="die_mid_stream")) as (worker,),
+            running_router(router_config([worker])) as (_, url),
+            aiohttp.ClientSession() as session,
+        ):
+            async with session.post(url + "/v1/completions", json=STREAM_BODY) as resp:
+                assert resp.status == 200
+                events = await _sse_events(resp)
+            assert json.loads(events[0])["choices"][0]["text"] == "t0"
+            error = json.loads(events[-1])["error"]
+            assert error["code"] == "upstream_stream_error"
+            assert len(worker.bodies) == 1  # never retried after the first byte
+
+    run(main())
+
+
+def test_first_byte_timeout_gives_504() -> None:
+    async def main() -> None:
+        behaviour = FakeBehaviour(mode="slow_first", delay_s=5.0)
+        async with (
+            fake_workers(behaviour) as (worker,),
+            running_router(router_config([worker], first_byte_timeout_s=0.3)) as (_, url),
+            aiohttp.ClientSession() as session,
+        ):
+            start = time.monotonic()
+            async with session.post(url + "/v1/completions", json=STREAM_BODY) as resp:
+                assert resp.status == 504
+                assert (await resp.json())["error"]["code"] == "upstream_timeout"
+            assert time.monotonic() - start < 3.0
+
+    run(main())
+
+
+def test_idle_timeout_between_chunks_ends_the_stream_with_an_error_event() -> None:
+    async def main() -> None:
+        async with (
+            fake_workers(FakeBehaviour(mode="stall")) as (worker,),
+            running_router(router_config([worker], idle_timeout_s=0.3)) as (_, url),
+            aiohttp.ClientSession() as session,
+        ):
+            async with session.post(url + "/v1/completions", json=STREAM_BODY) as resp:
+                events = await _sse_events(resp)
+            assert "timeout" in json.loads(events[-1])["error"]["message"]
+
+    run(main())
+
+
+def test_total_timeout_bounds_a_non_streaming_request() -> None:
+    async def main() -> None:
+        async with (
+            fake_workers(FakeBehaviour(mode="hold")) as (worker,),
+            running_router(router_config([worker], total_timeout_s=0.3)) as (_, url),
+            aiohttp.ClientSession() as session,
+            session.post(url + "/v1/completions", json=UNARY_BODY) as resp,
+        ):
+            assert resp.status == 504
+
+    run(main())
+
+
+def test_all_workers_at_cap_queue_then_429_with_retry_after() -> None:
+    async def main() -> None:
+        config_kwargs = {"max_concurrency": 1, "queue_size": 1, "queue_timeout_s": 30.0}
+        async with (
+            fake_workers(FakeBehaviour(mode="hold")) as (worker,),
+            running_router(router_config([worker], **config_kwargs)) as (app, url),
+            aiohttp.ClientSession() as session,
+        ):
+            first = asyncio.create_task(session.post(url + "/v1/completions", json=UNARY_BODY))
+            await asyncio.wait_for(worker.started.wait(), 5)
+            queued = asyncio.create_task(session.post(url + "/v1/completions", json=UNARY_BODY))
+            await _until(lambda: _queue_depth(app) == 1)
+            async with session.post(url + "/v1/completions", json=UNARY_BODY) as resp:
+                assert resp.status == 429
+                assert int(resp.headers["Retry-After"]) >= 1
+                assert (await resp.json())["error"]["type"] == "rate_limit_error"
+            worker.release.set()
+            for task in (first, queued):
+                resp = await task
+                assert resp.status == 200
+                resp.release()
+            assert len(worker.bodies) == 2
+
+    run(main())
+
+
+def test_queue_timeout_gives_429() -> None:
+    async def main() -> None:
+        config_kwargs = {"max_concurrency": 1, "queue_size": 4, "queue_timeout_s": 0.3}
+        async with (
+            fake_workers(FakeBehaviour(mode="hold")) as (worker,),
+            running_router(router_config([worker], **config_kwargs)) as (_, url),
+            aiohttp.ClientSession() as session,
+        ):
+            first = asyncio.create_task(session.post(url + "/v1/completions", json=UNARY_BODY))
+            await asyncio.wait_for(worker.started.wait(), 5)
+            async with session.post(url + "/v1/completions", json=UNARY_BODY) as resp:
+                assert resp.status == 429
+                assert "Retry-After" in resp.headers
+            worker.release.set()
+            (await first).release()
+
+    run(main())
+
+
+def test_client_disconnect_cancels_the_upstream_request() -> None:
+    async def main() -> None:
+        async with (
+            fake_workers(FakeBehaviour(mode="hold")) as (worker,),
+            running_router(router_config([worker])) as (app, url),
+        ):
+            async with aiohttp.ClientSession() as session:
+                task = asyncio.create_task(session.post(url + "/v1/completions", json=STREAM_BODY))
+                await asyncio.wait_for(worker.started.wait(), 5)
+                task.cancel()
+            await asyncio.wait_for(worker.cancelled.wait(), 5)
+            # the router released the request: in-flight load back to zero
+            await _until(lambda: all(v.load.num_inflight == 0 for v in app[FLEET].views()))
+
+    run(main())
+
+
+def _queue_depth(app: web.Application) -> int:
+    return app[PROXY].queue.num_waiting
+
+
+async def _until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met")
+        await asyncio.sleep(0.02)
