@@ -1,0 +1,304 @@
+"""The simulator's HTTP app: ``SimConfig`` and ``create_sim_app(config)``.
+
+Endpoints as vLLM's OpenAI server has them: ``/v1/completions``,
+``/v1/chat/completions``, ``/v1/models``, ``/tokenize``, ``/health``, ``/metrics``,
+``/kv_event_sources``, ``POST /reset_prefix_cache``, ``/version``. The ZMQ sockets
+bind when the app is created, so ``app[SIM_STATE].publisher`` already knows its
+ports (``kvroute worker --engine sim`` hands them to the agent); the engine loop and
+the replay server start with the app and stop with it (one ``cleanup_ctx`` entry).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from worker.sim.engine import SimEngine
+from worker.sim.engine_hashing import none_hash
+from worker.sim.events import KVEventPublisher
+from worker.sim.metrics import SimMetrics
+from worker.sim.openai_protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    decode_request,
+    model_not_found,
+)
+from worker.sim.scheduler import Scheduler, SchedulerConfig
+from worker.sim.serving import (
+    ServingContext,
+    chat_token_ids,
+    completion_token_ids,
+    respond_full,
+    respond_stream,
+    start_job,
+)
+from worker.sim.timing import DEFAULT_GPU_PROFILE, get_gpu_profile
+from worker.sim.tokenizer import SimTokenizer
+
+SIM_VERSION = "0.32.0+kvroute.sim"
+FILLER_TEXT = (
+    "The quick brown fox jumps over the lazy dog while the simulated engine keeps "
+    "counting tokens and timing steps. "
+)
+
+
+@dataclass(slots=True)
+class SimConfig:
+    """One simulated engine. ``None`` ports for replay disable it; 0 picks a free port."""
+
+    model: Path
+    served_model_name: str | None = None  # default: the shipped name, else the folder name
+    num_gpu_blocks: int | None = None  # default: what the GPU profile's memory holds
+    block_size: int = 32
+    max_model_len: int | None = None  # default: config.json max_position_embeddings
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 1024
+    speedup: float = 1.0
+    gpu_profile: str = DEFAULT_GPU_PROFILE
+    enable_prefix_caching: bool = True
+    zmq_host: str = "*"
+    zmq_port: int = 0
+    replay_port: int | None = 0
+    topic: str = "kv"
+    buffer_steps: int = 10_000
+    hash_seed: str = "0"  # vLLM: PYTHONHASHSEED
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class SimState:
+    config: SimConfig
+    served_model_name: str
+    max_model_len: int
+    num_gpu_blocks: int
+    tokenizer: SimTokenizer
+    scheduler: Scheduler
+    engine: SimEngine
+    metrics: SimMetrics
+    publisher: KVEventPublisher
+    serving: ServingContext
+
+
+SIM_STATE = web.AppKey("sim_state", SimState)
+
+
+def _served_name(config: SimConfig) -> str:
+    if config.served_model_name:
+        return config.served_model_name
+    from worker.models import SERVED_MODEL_NAMES
+
+    folder = config.model.resolve().name
+    return SERVED_MODEL_NAMES.get(folder, folder)
+
+
+def _max_model_len(config: SimConfig) -> int:
+    if config.max_model_len is not None:
+        return config.max_model_len
+    model_config = json.loads((config.model / "config.json").read_text())
+    return int(model_config.get("max_position_embeddings", 8192))
+
+
+def build_state(config: SimConfig) -> SimState:
+    """Everything but the running tasks (binds the ZMQ sockets)."""
+    profile = get_gpu_profile(config.gpu_profile)
+    tokenizer = SimTokenizer(config.model)
+    served = _served_name(config)
+    max_model_len = _max_model_len(config)
+    num_blocks = config.num_gpu_blocks or profile.default_num_gpu_blocks(config.block_size)
+    scheduler = Scheduler(
+        SchedulerConfig(
+            num_gpu_blocks=num_blocks,
+            block_size=config.block_size,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            enable_caching=config.enable_prefix_caching,
+        )
+    )
+    metrics = SimMetrics(scheduler, served)
+    publisher = KVEventPublisher(
+        host=config.zmq_host,
+        port=config.zmq_port,
+        replay_port=config.replay_port,
+        topic=config.topic,
+        buffer_steps=config.buffer_steps,
+    )
+    filler = tokenizer.encode(FILLER_TEXT, add_special_tokens=False)
+    engine = SimEngine(
+        scheduler,
+        profile,
+        speedup=config.speedup,
+        filler_token_ids=filler,
+        metrics=metrics,
+        publisher=publisher,
+    )
+    token_text = [""] * tokenizer.vocab_size
+    for token in set(filler):
+        token_text[token] = tokenizer.decode([token])
+    serving = ServingContext(
+        engine=engine,
+        tokenizer=tokenizer,
+        served_model_name=served,
+        max_model_len=max_model_len,
+        block_size=config.block_size,
+        none_hash=none_hash(config.hash_seed),
+        token_text=token_text,
+    )
+    return SimState(config, served, max_model_len, num_blocks, tokenizer, scheduler, engine,
+                    metrics, publisher, serving)  # fmt: skip
+
+
+def create_sim_app(config: SimConfig) -> web.Application:
+    """The simulator's aiohttp app (see module doc)."""
+    app = web.Application(middlewares=[_error_middleware], client_max_size=64 * 1024 * 1024)
+    app[SIM_STATE] = build_state(config)
+    app.cleanup_ctx.append(_engine_ctx)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_post("/tokenize", _tokenize)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/kv_event_sources", _kv_event_sources)
+    app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
+    app.router.add_get("/version", _version)
+    return app
+
+
+async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
+    state = app[SIM_STATE]
+    state.publisher.start()
+    task = asyncio.get_running_loop().create_task(state.engine.run(), name="sim-engine")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await state.publisher.close()
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        response: web.StreamResponse = await handler(request)
+        return response
+    except ApiError as exc:
+        return _error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status == 404:
+            return _error_response(ApiError(404, "Not Found", "Not Found"))
+        if exc.status == 405:
+            return _error_response(ApiError(405, "Method Not Allowed", "Method Not Allowed"))
+        raise
+
+
+def _error_response(error: ApiError) -> web.Response:
+    return web.Response(
+        status=error.status, body=msgspec.json.encode(error.body()), content_type="application/json"
+    )
+
+
+def _check_model(state: SimState, model: str | None) -> None:
+    if model and model != state.served_model_name:
+        raise model_not_found(model, state.served_model_name)
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[SIM_STATE]
+    body = decode_request(await request.read(), CompletionRequest)
+    _check_model(state, body.model)
+    prompts = completion_token_ids(state.serving, body)
+    job = start_job(state.serving, "completion", body, prompts, body.max_tokens)
+    if body.stream:
+        return await respond_stream(state.serving, job, request)
+    return await respond_full(state.serving, job, request)
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[SIM_STATE]
+    body = decode_request(await request.read(), ChatCompletionRequest)
+    _check_model(state, body.model)
+    prompt = chat_token_ids(state.serving, body)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    job = start_job(state.serving, "chat", body, [prompt], max_tokens)
+    if body.stream:
+        return await respond_stream(state.serving, job, request)
+    return await respond_full(state.serving, job, request)
+
+
+class _TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    state = request.app[SIM_STATE]
+    body = decode_request(await request.read(), _TokenizeRequest)
+    _check_model(state, body.model)
+    if body.messages is not None:
+        text = state.tokenizer.render_chat(
+            body.messages, add_generation_prompt=body.add_generation_prompt
+        )
+        add_special = bool(body.add_special_tokens)
+    elif body.prompt is not None:
+        text = body.prompt
+        add_special = body.add_special_tokens is not False
+    else:
+        raise ApiError(400, "Either prompt or messages must be provided", param="prompt")
+    tokens = state.tokenizer.encode(text, add_special_tokens=add_special)
+    result = {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens,
+              "token_strs": None}  # fmt: skip
+    return web.json_response(result)
+
+
+async def _models(request: web.Request) -> web.Response:
+    state = request.app[SIM_STATE]
+    card = {
+        "id": state.served_model_name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "vllm",
+        "root": state.served_model_name,
+        "parent": None,
+        "max_model_len": state.max_model_len,
+    }
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    state = request.app[SIM_STATE]
+    return web.Response(
+        body=generate_latest(state.metrics.registry),
+        headers={"Content-Type": CONTENT_TYPE_LATEST},
+    )
+
+
+async def _kv_event_sources(request: web.Request) -> web.Response:
+    state = request.app[SIM_STATE]
+    return web.json_response({"0": state.publisher.config_json()})
+
+
+async def _reset_prefix_cache(request: web.Request) -> web.Response:
+    state = request.app[SIM_STATE]
+    return web.json_response({"success": state.engine.reset_prefix_cache()})
+
+
+async def _version(request: web.Request) -> web.Response:
+    return web.json_response({"version": SIM_VERSION})
