@@ -34,6 +34,8 @@ from router.scheduling.types import Decision
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+# Names the worker that served the request (load tests attribute load and hits with it).
+WORKER_HEADER = "x-kvroute-worker"
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 _BROKEN_STREAM = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ValueError)
 _decoder = msgspec.json.Decoder()
@@ -127,7 +129,10 @@ async def _relay_whole(
         if isinstance(parsed, dict):
             attempt.record_usage(parsed.get("usage"))
     return web.Response(
-        status=resp.status, body=body, content_type=resp.content_type or "application/json"
+        status=resp.status,
+        body=body,
+        content_type=resp.content_type or "application/json",
+        headers={WORKER_HEADER: str(attempt.decision.worker_id)},
     )
 
 
@@ -152,7 +157,9 @@ async def _relay_stream(
         raise RetryableError("disconnect", f"{attempt.url} ended its stream without an event")
     attempt.ttft_s = time.perf_counter() - attempt.started
     attempt.on_first_token(attempt)
-    client = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+    client = web.StreamResponse(
+        status=200, headers={**_SSE_HEADERS, WORKER_HEADER: str(attempt.decision.worker_id)}
+    )
     await client.prepare(request)
     attempt.status = 200
     event: bytes = first
