@@ -124,14 +124,14 @@ def _plot_hit_ratio(
     plt.close(fig)
 
 
-def _without_nan(value: object) -> object:
+def without_nan(value: object) -> object:
     """NaN (an undefined percentile or ratio) becomes null, so the JSON is standard."""
     if isinstance(value, float) and math.isnan(value):
         return None
     if isinstance(value, dict):
-        return {key: _without_nan(item) for key, item in value.items()}
+        return {key: without_nan(item) for key, item in value.items()}
     if isinstance(value, list):
-        return [_without_nan(item) for item in value]
+        return [without_nan(item) for item in value]
     return value
 
 
@@ -166,6 +166,6 @@ def write_report(
             policy: [dataclasses.asdict(r) for r in run.results] for policy, run in runs.items()
         },
     }
-    text = json.dumps(_without_nan(payload), indent=1, default=str, allow_nan=False)
+    text = json.dumps(without_nan(payload), indent=1, default=str, allow_nan=False)
     (out_dir / "report.json").write_text(text, "utf-8")
     return out_dir / "report.md"

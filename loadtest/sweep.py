@@ -1,0 +1,254 @@
+"""``kvroute sweep``: offered load x policy on a simulated fleet replaying a Mooncake trace.
+
+For each offered load (a multiple of the trace's own request rate) and each policy, the
+trace's first ``--num-requests`` requests are replayed open-loop through the router to
+``--workers`` simulated workers, with caches cleared between runs. The simulator runs
+``--sim-speedup`` times faster than its GPU timing model, so the client compresses
+arrivals by the same factor and the report multiplies measured latencies back: all
+reported times are simulated-GPU seconds.
+
+Output (``--out``): ``sweep.md`` (one row per load x policy, then each policy's goodput:
+the highest load whose TTFT p90 is under ``--slo-ttft-p90-s``), ``sweep.json``,
+``ttft_vs_load.png`` (p50 and p90 per policy) and ``hit_ratio_vs_load.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from loadtest.ceiling import workload_ceiling
+from loadtest.compare import (
+    ALL_POLICIES,
+    CompareConfig,
+    fleet_capacity_blocks,
+    run_policies,
+)
+from loadtest.fleet import Fleet, FleetConfig, FleetError
+from loadtest.report import without_nan
+from loadtest.stats import RunSummary
+from loadtest.workloads import build_workload
+
+SWEEP_COLUMNS = (
+    "load (x trace rate)",
+    "policy",
+    "TTFT p50 (s)",
+    "TTFT p90 (s)",
+    "TTFT p99 (s)",
+    "token hit ratio",
+    "hit / ceiling",
+    "imbalance",
+    "throughput (tok/s)",
+    "failed",
+)
+
+
+def goodput(load_to_p90: dict[float, float], slo_s: float) -> float:
+    """The highest load whose TTFT p90 is under ``slo_s`` with every lighter load also
+    under it (0.0 when even the lightest misses)."""
+    best = 0.0
+    for load in sorted(load_to_p90):
+        p90 = load_to_p90[load]
+        if math.isnan(p90) or p90 > slo_s:
+            break
+        best = load
+    return best
+
+
+def sweep_table(rows: Sequence[tuple[float, RunSummary]]) -> str:
+    def fmt(value: float, digits: int = 3) -> str:
+        return "-" if math.isnan(value) else f"{value:.{digits}f}"
+
+    lines = [
+        "| " + " | ".join(SWEEP_COLUMNS) + " |",
+        "|" + "|".join("---:" for _ in SWEEP_COLUMNS) + "|",
+    ]
+    for load, s in rows:
+        cells = [
+            f"{load:g}",
+            s.policy,
+            fmt(s.ttft_p50),
+            fmt(s.ttft_p90),
+            fmt(s.ttft_p99),
+            fmt(s.token_hit_ratio),
+            fmt(s.hit_ratio_of_ceiling, 2),
+            fmt(s.load_imbalance, 2),
+            fmt(s.throughput_tokens_s, 0),
+            f"{s.num_failed}/{s.num_requests}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def goodput_table(policy_to_goodput: dict[str, float], slo_s: float) -> str:
+    lines = [f"| policy | goodput (x trace rate, TTFT p90 <= {slo_s:g} s) |", "|---|---:|"]
+    lines += [f"| {policy} | {value:g} |" for policy, value in policy_to_goodput.items()]
+    return "\n".join(lines)
+
+
+def plot_sweep(rows: Sequence[tuple[float, RunSummary]], out_dir: Path, slo_s: float) -> None:
+    policies = list(dict.fromkeys(s.policy for _, s in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharex=True)
+    for ax, attr, name in ((axes[0], "ttft_p50", "p50"), (axes[1], "ttft_p90", "p90")):
+        for policy in policies:
+            points = sorted((load, getattr(s, attr)) for load, s in rows if s.policy == policy)
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=policy)
+        if name == "p90":
+            ax.axhline(slo_s, color="black", linestyle="--", linewidth=1, label=f"SLO {slo_s:g} s")
+        ax.set_yscale("log")
+        ax.set_xlabel("offered load (x the trace's request rate)")
+        ax.set_ylabel(f"TTFT {name} (s, log scale)")
+        ax.set_title(f"TTFT {name} vs offered load")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "ttft_vs_load.png", dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for policy in policies:
+        points = sorted((load, s.token_hit_ratio) for load, s in rows if s.policy == policy)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=policy)
+    ceiling = rows[0][1].ceiling if rows else 0.0
+    ax.axhline(ceiling, color="black", linestyle="--", linewidth=1, label="LRU ceiling")
+    ax.set_xlabel("offered load (x the trace's request rate)")
+    ax.set_ylabel("token hit ratio")
+    ax.set_ylim(0, max(0.05, ceiling * 1.3))
+    ax.set_title("Token hit ratio vs offered load")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "hit_ratio_vs_load.png", dpi=110)
+    plt.close(fig)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", default="", help="Mooncake-format trace (default: excerpt)")
+    parser.add_argument("--num-requests", type=int, default=800)
+    parser.add_argument("--loads", default="2,4,6,8", help="offered loads, x the trace's rate")
+    parser.add_argument("--policies", default="all")
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument(
+        "--sim-speedup",
+        type=float,
+        default=2.0,
+        help="the simulator's speed-up (passed to every worker)",
+    )
+    parser.add_argument(
+        "--speedup-flag",
+        default="--speedup",
+        help="the worker flag that sets the simulator's speed-up",
+    )
+    parser.add_argument(
+        "--max-tokens-cap",
+        type=int,
+        default=16,
+        help="cap on completion tokens (0: the trace's own lengths)",
+    )
+    parser.add_argument("--max-input-tokens", type=int, default=0)
+    parser.add_argument("--slo-ttft-p90-s", type=float, default=2.0)
+    parser.add_argument("--num-gpu-blocks", type=int, default=None)
+    parser.add_argument("--worker-arg", action="append", default=[])
+    parser.add_argument("--router-arg", action="append", default=[])
+    parser.add_argument("--request-timeout-s", type=float, default=120.0)
+    parser.add_argument("--out", type=Path, default=Path("kvroute-sweep"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def run_sweep(args: argparse.Namespace) -> dict[str, object]:
+    loads = [float(x) for x in args.loads.split(",")]
+    policies = ALL_POLICIES if args.policies == "all" else tuple(args.policies.split(","))
+    fleet_config = FleetConfig(
+        num_workers=args.workers,
+        engine="sim",
+        model="tiny",
+        num_gpu_blocks=args.num_gpu_blocks,
+        worker_args=[args.speedup_flag, str(args.sim_speedup), *args.worker_arg],
+        router_args=list(args.router_arg),
+        startup_timeout_s=120.0,
+    )
+    base_params = {
+        "path": args.trace,
+        "num_requests": str(args.num_requests),
+        "max_tokens_cap": str(args.max_tokens_cap),
+        "max_input_tokens": str(args.max_input_tokens),
+    }
+    prompts = build_workload("mooncake", base_params, seed=args.seed)
+    rows: list[tuple[float, RunSummary]] = []
+    started = time.monotonic()
+    with Fleet(fleet_config) as fleet:
+        fleet.start_workers()
+        capacity = fleet_capacity_blocks(fleet)
+        ceiling = workload_ceiling((r.prompt_token_ids for r in prompts), capacity, 32)
+        print(f"{len(prompts)} requests, fleet capacity {capacity} blocks, ceiling {ceiling:.3f}")
+        for load in loads:
+            params = {**base_params, "speedup": str(load * args.sim_speedup)}
+            requests = build_workload("mooncake", params, seed=args.seed)
+            config = CompareConfig(
+                workload="mooncake",
+                params=params,
+                policies=policies,
+                fleet=fleet_config,
+                max_duration_s=requests[-1].arrival_s + 5.0,
+                request_timeout_s=args.request_timeout_s,
+                time_scale=args.sim_speedup,
+                progress=not args.no_progress,
+            )
+            runs = run_policies(fleet, requests, config, ceiling)
+            rows += [(load, run.summary) for run in runs.values()]
+            print(sweep_table([row for row in rows if row[0] == load]), flush=True)
+    policy_to_goodput = {
+        p: goodput({load: s.ttft_p90 for load, s in rows if s.policy == p}, args.slo_ttft_p90_s)
+        for p in policies
+    }
+    return {
+        "rows": rows,
+        "goodput": policy_to_goodput,
+        "ceiling": ceiling,
+        "capacity_blocks": capacity,
+        "wall_s": time.monotonic() - started,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        result = run_sweep(args)
+    except (ValueError, OSError, FleetError) as exc:
+        print(f"kvroute sweep: error: {exc}", file=sys.stderr)
+        return 1
+    rows: list[tuple[float, RunSummary]] = result["rows"]  # type: ignore[assignment]
+    policy_to_goodput: dict[str, float] = result["goodput"]  # type: ignore[assignment]
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot_sweep(rows, args.out, args.slo_ttft_p90_s)
+    markdown = (
+        f"# kvroute sweep: {args.workers} simulated workers, Mooncake trace, "
+        f"{args.num_requests} requests\n\n- command: kvroute sweep {' '.join(sys.argv[2:])}\n"
+        f"- ceiling (one LRU cache, {result['capacity_blocks']} blocks): "
+        f"{result['ceiling']:.3f}\n- wall time: {result['wall_s']:.0f} s\n\n"
+        f"{sweep_table(rows)}\n\n{goodput_table(policy_to_goodput, args.slo_ttft_p90_s)}\n\n"
+        "![TTFT vs load](ttft_vs_load.png)\n![hit ratio vs load](hit_ratio_vs_load.png)\n"
+    )
+    (args.out / "sweep.md").write_text(markdown, encoding="utf-8")
+    payload = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "rows": [{"load": load, **dataclasses.asdict(s)} for load, s in rows],
+        "goodput": policy_to_goodput,
+        "ceiling": result["ceiling"],
+        "capacity_blocks": result["capacity_blocks"],
+        "wall_s": result["wall_s"],
+    }
+    text = json.dumps(without_nan(payload), indent=1, default=str, allow_nan=False)
+    (args.out / "sweep.json").write_text(text, "utf-8")
+    print(markdown)
+    return 0
