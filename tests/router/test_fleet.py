@@ -1,0 +1,103 @@
+"""Fleet state: probes, health checks and discovery keep the index in step with the fleet."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from router.app import FLEET, INDEX, SESSION
+from router.config import WorkerSpec
+from tests.router.fakes import (
+    BLOCK_SIZE,
+    MODEL,
+    FakeBehaviour,
+    fake_workers,
+    router_config,
+    run,
+    running_router,
+)
+
+
+def test_probe_registers_namespace_and_unhealthy_worker_leaves_the_index_at_once() -> None:
+    async def main() -> None:
+        async with (
+            fake_workers(FakeBehaviour(), FakeBehaviour()) as (a, b),
+            running_router(router_config([a, b], unhealthy_after=2)) as (app, _),
+        ):
+            fleet, index = app[FLEET], app[INDEX]
+            assert sorted(index.workers()) == sorted([a.url, b.url])
+            view = fleet.workers[a.url].view  # type: ignore[index]
+            assert view.healthy and view.models == frozenset({MODEL})
+            assert view.namespace.block_size == BLOCK_SIZE
+            assert view.namespace.model == MODEL
+            await a.stop()
+            await fleet.check_all(app[SESSION])
+            assert a.url in index.workers()  # one failure is tolerated
+            await fleet.check_all(app[SESSION])
+            assert index.workers() == [b.url]
+            assert not view.healthy
+            await fleet.check_all(app[SESSION])  # stays out while down
+            assert index.workers() == [b.url]
+
+    run(main())
+
+
+def test_worker_comes_back_after_recovery() -> None:
+    async def main() -> None:
+        async with (
+            fake_workers(FakeBehaviour()) as (a,),
+            running_router(router_config([a], unhealthy_after=1)) as (app, _),
+        ):
+            fleet, index = app[FLEET], app[INDEX]
+            app_a = a.app()
+            await a.stop()
+            await fleet.check_all(app[SESSION])
+            assert index.workers() == []
+            # same port again: the worker is back
+            from aiohttp import web
+
+            port = int(a.url.rsplit(":", 1)[1])
+            runner = web.AppRunner(app_a)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            try:
+                await fleet.check_all(app[SESSION])
+                assert index.workers() == [a.url]
+            finally:
+                await runner.cleanup()
+
+    run(main())
+
+
+def test_file_discovery_adds_and_removes_workers(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with fake_workers(FakeBehaviour(), FakeBehaviour()) as (a, b):
+            workers_file = tmp_path / "workers.yaml"
+            workers_file.write_text(f"workers:\n  - url: {a.url}\n  - url: {b.url}\n    id: b\n")
+            config = router_config([], workers_file=str(workers_file), discovery_interval_s=0.05)
+            async with running_router(config) as (app, _):
+                index = app[INDEX]
+                await _until(lambda: sorted(index.workers()) == sorted([a.url, "b"]))
+                workers_file.write_text(f"- url: {a.url}\n")
+                await _until(lambda: index.workers() == [a.url])
+                assert list(app[FLEET].workers) == [a.url]
+                workers_file.write_text("workers: [not a mapping")  # broken: keep last list
+                await asyncio.sleep(0.2)
+                assert index.workers() == [a.url]
+
+    run(main())
+
+
+def test_worker_spec_strips_trailing_slashes_and_defaults_the_id() -> None:
+    spec = WorkerSpec.parse("http://h:1/,agent=http://h:2/")
+    assert (spec.url, spec.agent_url, spec.worker_id) == ("http://h:1", "http://h:2", "http://h:1")
+
+
+async def _until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met")
+        await asyncio.sleep(0.02)
