@@ -119,6 +119,11 @@ class AgentClient:
         if self._response is not None:
             self._response.close()
 
+    def reconnect(self) -> None:
+        """Close the open stream; the next connection resumes from the cursor."""
+        if self._response is not None:
+            self._response.close()
+
     def request_resync(self) -> None:
         """Drop the cursor and reconnect: the next connection starts with a snapshot."""
         self._cursor = None

@@ -128,6 +128,14 @@ class FakeEngine:
             await self._pub.send_multipart(frames)
         return seq
 
+    async def publish_broken(self, payload: bytes) -> int:
+        """Publish a payload that does not decode, at the next seq (buffered too)."""
+        seq = self._next_seq
+        self._next_seq += 1
+        self._buffer.append((seq, payload))
+        await self._pub.send_multipart([self.topic.encode(), seq.to_bytes(8, "big"), payload])
+        return seq
+
     async def publish_raw(self, frames: list[bytes]) -> None:
         await self._pub.send_multipart(frames)
 
