@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -34,12 +35,13 @@ from aiohttp import web
 from kvindex.index import WorkerId
 from router.admission import AdmissionQueue
 from router.config import RouterConfig
-from router.errors import ApiError, model_not_found
+from router.errors import ApiError, bad_request, model_not_found
 from router.fleet import Fleet, TokenizerRegistry
 from router.metrics import RouterMetrics
 from router.requests import ParsedRequest, RequestKind, first_prompt, parse_request
 from router.scheduling.scheduler import Scheduler
 from router.scheduling.types import Decision, RoutingRequest
+from router.tokenization import ModelTokenizer, TokenizationError
 from router.upstream import Attempt, RetryableError, forward
 
 log = logging.getLogger(__name__)
@@ -113,20 +115,11 @@ class Proxy:
         tokenizer = self.tokenizers.get(model)
         body = parsed.body
         try:
-            if parsed.kind == "completion":
-                token_ids = tokenizer.completion_token_ids(first_prompt(body["prompt"]))
-            else:
-                kwargs = body.get("chat_template_kwargs") or {}
-                if not isinstance(kwargs, dict):
-                    raise TypeError("'chat_template_kwargs' must be an object")
-                token_ids = tokenizer.chat_token_ids(
-                    body["messages"],
-                    add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-                    tools=body.get("tools"),
-                    **kwargs,
-                )
+            token_ids = _token_ids(tokenizer, parsed)
         except ApiError:
             raise
+        except TokenizationError as exc:
+            raise ApiError(400, f"Could not tokenize the request: {exc}", param=exc.param) from None
         except Exception as exc:  # template or tokenizer errors on client input
             raise ApiError(400, f"Could not tokenize the request: {exc}") from None
         self.metrics.decision.labels(phase="tokenize").observe(time.perf_counter() - start)
@@ -239,3 +232,34 @@ class Proxy:
                 attempt.cached_tokens - decision.predicted_cached_tokens
             )
             self.hits.cached_tokens += attempt.cached_tokens
+
+
+def _token_ids(tokenizer: ModelTokenizer, parsed: ParsedRequest) -> list[int]:
+    """The prompt token ids the engine will see, with vLLM's per-endpoint defaults."""
+    body = parsed.body
+    if parsed.kind == "completion":
+        return tokenizer.completion_token_ids(
+            first_prompt(body["prompt"]),
+            add_special_tokens=_flag(body, "add_special_tokens", default=True),
+        )
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    tools = body.get("tools")
+    documents = body.get("documents")
+    return tokenizer.chat_token_ids(
+        body["messages"],
+        add_generation_prompt=_flag(body, "add_generation_prompt", default=True),
+        continue_final_message=_flag(body, "continue_final_message", default=False),
+        add_special_tokens=_flag(body, "add_special_tokens", default=False),
+        tools=tools if isinstance(tools, list) else None,
+        documents=documents if isinstance(documents, list) else None,
+        **kwargs,
+    )
+
+
+def _flag(body: dict[str, Any], key: str, *, default: bool) -> bool:
+    value = body.get(key, default)
+    if not isinstance(value, bool):
+        raise bad_request(f"Invalid type for '{key}': expected a boolean.", key)
+    return value
