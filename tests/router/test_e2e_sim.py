@@ -16,6 +16,7 @@ import pytest
 
 from router.app import INDEX, METRICS, PROXY
 from router.config import RouterConfig
+from tests.router.e2e_checks import exercise_openai_client
 from tests.router.fakes import run, running_router
 from tests.router.simfleet import BLOCK_SIZE, sim_fleet
 
@@ -38,49 +39,6 @@ async def _until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None
         await asyncio.sleep(0.02)
 
 
-async def _exercise_openai_client(client: openai.AsyncOpenAI) -> None:
-    completion = await client.completions.create(model=MODEL, prompt="Hello there", max_tokens=5)
-    assert completion.choices[0].text
-    assert completion.usage is not None and completion.usage.completion_tokens == 5
-
-    chunks = [
-        c
-        async for c in await client.completions.create(
-            model=MODEL, prompt="Hello again", max_tokens=4, stream=True
-        )
-    ]
-    assert "".join(c.choices[0].text for c in chunks if c.choices)
-    assert all(c.usage is None for c in chunks)  # the router's own usage chunk is hidden
-
-    chunks = [
-        c async for c in await client.completions.create(
-            model=MODEL, prompt="Hello usage", max_tokens=4, stream=True,
-            stream_options={"include_usage": True},
-        )
-    ]  # fmt: skip
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
-
-    messages = [
-        {"role": "system", "content": "You are terse."},
-        {"role": "user", "content": "Say hi."},
-    ]
-    chat = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)  # type: ignore[arg-type]
-    assert chat.choices[0].message.content
-    assert chat.usage is not None and chat.usage.prompt_tokens > 0
-
-    stream = await client.chat.completions.create(
-        model=MODEL,
-        messages=messages,
-        max_tokens=6,
-        stream=True,  # type: ignore[arg-type]
-    )
-    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
-    assert text
-
-    models = await client.models.list()
-    assert [m.id for m in models.data] == [MODEL]
-
-
 @pytest.mark.parametrize("use_agent", [True, False], ids=["agent", "direct-zmq"])
 def test_openai_client_runs_through_router_to_sim_workers(use_agent: bool) -> None:
     async def main() -> None:
@@ -89,7 +47,7 @@ def test_openai_client_runs_through_router_to_sim_workers(use_agent: bool) -> No
             async with running_router(_config(specs)) as (app, url):
                 client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
                 try:
-                    await _exercise_openai_client(client)
+                    await exercise_openai_client(client, MODEL)
                     await _check_cache_routing(app, client)
                 finally:
                     await client.close()
