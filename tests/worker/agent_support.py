@@ -20,7 +20,14 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from kvindex.agent_protocol import Epoch, LoadReport, StreamSeq
+from kvindex.agent_protocol import (
+    STREAM_CONTENT_TYPE,
+    AgentMessage,
+    Epoch,
+    LoadReport,
+    MessageStreamDecoder,
+    StreamSeq,
+)
 from kvindex.protocol import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -279,3 +286,28 @@ async def running_client(
         finally:
             client.stop()
             await asyncio.wait_for(task, 5.0)
+
+
+async def read_messages(
+    agent_url: str, count: int, params: dict[str, str] | None = None, token: str | None = None
+) -> list[AgentMessage]:
+    """Open a raw stream, read ``count`` messages (no AgentClient in between)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    decoder = MessageStreamDecoder()
+    out: list[AgentMessage] = []
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{agent_url}/v1/kv/stream", params=params or {}, headers=headers) as r,
+    ):
+        assert r.status == 200
+        assert r.headers["Content-Type"] == STREAM_CONTENT_TYPE
+        async for chunk in r.content.iter_any():
+            out.extend(decoder.feed(chunk))
+            if len(out) >= count:
+                return out[:count]
+    return out
+
+
+async def ready(agent_url: str) -> bool:
+    async with aiohttp.ClientSession() as session, session.get(f"{agent_url}/ready") as r:
+        return r.status == 200

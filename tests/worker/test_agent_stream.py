@@ -12,12 +12,9 @@ import aiohttp
 import pytest
 
 from kvindex.agent_protocol import (
-    STREAM_CONTENT_TYPE,
-    AgentMessage,
     Heartbeat,
     LiveBatch,
     LoadReport,
-    MessageStreamDecoder,
     Snapshot,
     decode_info,
 )
@@ -26,6 +23,8 @@ from tests.worker.agent_support import (
     FakeEngine,
     RecordingHandler,
     agent_config,
+    read_messages,
+    ready,
     running_agent,
     running_client,
     wait_until,
@@ -80,26 +79,6 @@ async def metric_value(agent_url: str, name: str) -> float:
     return total
 
 
-async def read_messages(
-    agent_url: str, count: int, params: dict[str, str] | None = None, token: str | None = None
-) -> list[AgentMessage]:
-    """Open a raw stream, read ``count`` messages (no AgentClient in between)."""
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    decoder = MessageStreamDecoder()
-    out: list[AgentMessage] = []
-    async with (
-        aiohttp.ClientSession() as session,
-        session.get(f"{agent_url}/v1/kv/stream", params=params or {}, headers=headers) as r,
-    ):
-        assert r.status == 200
-        assert r.headers["Content-Type"] == STREAM_CONTENT_TYPE
-        async for chunk in r.content.iter_any():
-            out.extend(decoder.feed(chunk))
-            if len(out) >= count:
-                return out[:count]
-    return out
-
-
 def with_engine_and_agent(
     body: Callable[[FakeEngine, str], Awaitable[None]], **config: object
 ) -> None:
@@ -114,11 +93,6 @@ def with_engine_and_agent(
             await engine.stop()
 
     run(test)
-
-
-async def ready(agent_url: str) -> bool:
-    async with aiohttp.ClientSession() as session, session.get(f"{agent_url}/ready") as r:
-        return r.status == 200
 
 
 def test_events_are_relayed_and_the_client_rebuilds_the_engine_set() -> None:
