@@ -101,6 +101,7 @@ class SimEngine:
         stream = self._streams.pop(request_id, None)
         self.scheduler.abort_request(request_id)
         if stream is not None:
+            self.metrics.on_request_finished("abort")
             stream.queue.put_nowait((stream.index, None))
 
     def reset_prefix_cache(self) -> bool:
