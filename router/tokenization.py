@@ -1,0 +1,475 @@
+"""Prompt token ids exactly as the engine computes them, without loading the engine.
+
+``ModelTokenizer.from_dir`` reads a Hugging Face tokenizer folder (``tokenizer.json``,
+``tokenizer_config.json``, optional ``chat_template.jinja``) with the ``tokenizers``
+package and renders chat templates with Jinja2, reproducing what vLLM 0.32 does for
+``/v1/completions`` and ``/v1/chat/completions`` (it calls transformers, which we do
+not import: it is heavy and not a router dependency):
+
+- completion text: ``encode(text, add_special_tokens)`` (request default True) with
+  ``tokenizer.json``'s own post-processor (which adds BOS or not). NOTE: measured with
+  transformers 5.19 (vLLM 0.32's): ``add_bos_token`` / ``add_eos_token`` in
+  ``tokenizer_config.json`` change nothing, for generic and Llama tokenizer classes
+  alike; the tests pin this. Token-id prompts pass through unchanged;
+- chat: vLLM's message parsing (``vllm/renderers/chat_utils.py``: content ``None`` ->
+  ``""``, text parts joined with ``"\\n"`` for "string"-format templates, kept as
+  ``[{"type": "text", ...}]`` for "openai"-format ones; tool-call arguments parsed to
+  dicts; ``developer`` -> ``system`` when the template does not mention it), then the
+  template rendered like transformers' ``render_jinja_template`` (sandboxed, trim and
+  lstrip blocks, ``tojson``/``raise_exception``/``strftime_now``, special tokens as
+  variables, ``continue_final_message`` by cutting after the final message), then
+  ``encode(rendered, add_special_tokens)`` (request default False).
+
+Multimodal parts are refused (``TokenizationError``): their placeholder expansion is the
+engine's business, and a router that guessed would predict wrong blocks.
+
+Cost: rendering is a compiled-template call; encoding is the Rust tokenizer (about
+1 us per token on this machine for the byte-level test tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from copy import deepcopy
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.sandbox
+from tokenizers import Tokenizer
+
+from kvindex.hashing import Namespace, fingerprint
+
+ContentFormat = Literal["string", "openai"]
+
+_SPECIAL_TOKEN_ATTRIBUTES = (
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"
+)  # fmt: skip
+_TEXT_PART_KEYS = {
+    "text": "text", "input_text": "text", "output_text": "text",
+    "refusal": "refusal", "thinking": "thinking",
+}  # fmt: skip
+_BILLING_HEADER = "x-anthropic-billing-header"  # stripped from system text by vLLM
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+class TokenizationError(ValueError):
+    """A request the tokenizer cannot turn into tokens; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` renders its body (as transformers)."""
+
+    tags = {"generation"}  # noqa: RUF012 - jinja2's API
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return str(caller())
+
+
+def _tojson(
+    x: object,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _detect_content_format(ast: jinja2.nodes.Template) -> ContentFormat:
+    """ "openai" when the template loops over a message's content parts (vLLM's rule,
+    simplified: ``for x in m.content``, ``for x in m['content']`` or ``for x in content``).
+    """
+    for loop in ast.find_all(jinja2.nodes.For):
+        it = loop.iter
+        if (
+            (isinstance(it, jinja2.nodes.Name) and it.name == "content")
+            or (isinstance(it, jinja2.nodes.Getattr) and it.attr == "content")
+            or (
+                isinstance(it, jinja2.nodes.Getitem)
+                and isinstance(it.arg, jinja2.nodes.Const)
+                and it.arg.value == "content"
+            )
+        ):
+            return "openai"
+    return "string"
+
+
+@dataclass(frozen=True, slots=True)
+class _ChatTemplate:
+    source: str
+    compiled: jinja2.Template
+    content_format: ContentFormat
+    supports_developer: bool
+
+
+class ModelTokenizer:
+    """One model's tokenizer and chat template. Immutable after construction; thread-safe
+    for reads (``tokenizers`` encodes without the GIL held, Jinja templates are pure)."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        tokenizer_json: bytes,
+        special_tokens: Mapping[str, str],
+        chat_template: str | None,
+        content_format: ContentFormat | None = None,
+        path: Path | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.path = path
+        self.special_tokens = dict(special_tokens)  # template variables: bos_token, ...
+        self.fingerprint = fingerprint(tokenizer_json)
+        self.chat_template_fingerprint = fingerprint(chat_template or "")
+        self._template = (
+            None if chat_template is None else _make_template(chat_template, content_format)
+        )
+
+    @classmethod
+    def from_dir(
+        cls, path: Path | str, *, content_format: ContentFormat | None = None
+    ) -> ModelTokenizer:
+        """Load ``tokenizer.json`` (+ ``tokenizer_config.json``, ``chat_template.jinja``)."""
+        folder = Path(path)
+        tokenizer_file = folder / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {folder}")
+        tokenizer_json = tokenizer_file.read_bytes()
+        tokenizer = Tokenizer.from_str(tokenizer_json.decode())
+        config_file = folder / "tokenizer_config.json"
+        config: dict[str, Any] = (
+            json.loads(config_file.read_text()) if config_file.is_file() else {}
+        )
+        special_tokens = {
+            name: _token_text(config[name])
+            for name in _SPECIAL_TOKEN_ATTRIBUTES
+            if config.get(name) is not None
+        }
+        template_file = folder / "chat_template.jinja"
+        chat_template = (
+            template_file.read_text() if template_file.is_file() else _config_template(config)
+        )
+        return cls(
+            tokenizer,
+            tokenizer_json=tokenizer_json,
+            special_tokens=special_tokens,
+            chat_template=chat_template,
+            content_format=content_format,
+            path=folder,
+        )
+
+    # -- public API ------------------------------------------------------------------
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def namespace(self, model: str, block_size: int, model_revision: str = "") -> Namespace:
+        """The base block-hash namespace of a worker serving this tokenizer."""
+        return Namespace(
+            model=model,
+            model_revision=model_revision,
+            tokenizer_fingerprint=self.fingerprint,
+            chat_template_fingerprint=self.chat_template_fingerprint,
+            block_size=block_size,
+        )
+
+    def completion_token_ids(
+        self, prompt: str | Sequence[int], *, add_special_tokens: bool = True
+    ) -> list[int]:
+        """Token ids of a ``/v1/completions`` prompt (text, or token ids passed through)."""
+        if isinstance(prompt, str):
+            return self.encode(prompt, add_special_tokens=add_special_tokens)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+            raise TokenizationError("prompt token ids must be non-negative integers", "prompt")
+        return list(prompt)
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def chat_token_ids(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+        documents: list[dict[str, str]] | None = None,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """Token ids of a ``/v1/chat/completions`` request, with vLLM's defaults."""
+        rendered = self.render_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            continue_final_message=continue_final_message,
+            documents=documents,
+            **template_kwargs,
+        )
+        return self.encode(rendered, add_special_tokens=add_special_tokens)
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        documents: list[dict[str, str]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """The chat template's text for ``messages`` (what is then encoded)."""
+        template = self._template
+        if template is None:
+            raise TokenizationError("this model has no chat template", "messages")
+        if continue_final_message and add_generation_prompt:
+            raise TokenizationError(
+                "continue_final_message and add_generation_prompt are not compatible",
+                "continue_final_message",
+            )
+        conversation = _parse_messages(messages, template.content_format)
+        if not conversation:
+            raise TokenizationError("messages must not be empty", "messages")
+        if not template.supports_developer and any(m["role"] == "developer" for m in conversation):
+            conversation = _consolidate_system(_developer_to_system(conversation))
+        final_text = ""
+        if continue_final_message:
+            conversation, final_text = _tag_final_message(conversation)
+        variables = {**self.special_tokens, **template_kwargs}
+        try:
+            rendered = template.compiled.render(
+                messages=conversation,
+                tools=tools,
+                documents=documents,
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
+        except jinja2.exceptions.TemplateError as exc:
+            raise TokenizationError(
+                f"chat template rejected the request: {exc}", "messages"
+            ) from exc
+        if continue_final_message:
+            rendered = _cut_after_final_message(rendered, final_text)
+        return rendered
+
+
+# -- loading helpers ------------------------------------------------------------------------
+
+
+def _token_text(value: object) -> str:
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return str(value)
+
+
+def _config_template(config: Mapping[str, Any]) -> str | None:
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the "default" one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _make_template(source: str, content_format: ContentFormat | None) -> _ChatTemplate:
+    env = _environment()
+    try:
+        compiled = env.from_string(source)
+        detected = _detect_content_format(env.parse(source))
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise ValueError(f"chat template does not parse: {exc}") from exc
+    return _ChatTemplate(
+        source=source,
+        compiled=compiled,
+        content_format=content_format or detected,
+        supports_developer='"developer"' in source or "'developer'" in source,
+    )
+
+
+# -- message parsing (vLLM's rules) ---------------------------------------------------------
+
+
+def _parse_messages(
+    messages: list[dict[str, Any]], content_format: ContentFormat
+) -> list[dict[str, Any]]:
+    if not isinstance(messages, list):
+        raise TokenizationError("messages must be a list", "messages")
+    return [_parse_message(m, content_format) for m in messages]
+
+
+def _parse_message(message: object, content_format: ContentFormat) -> dict[str, Any]:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise TokenizationError("each message must be an object with a string role", "messages")
+    role: str = message["role"]
+    texts = _text_parts(message.get("content"))
+    if role == "system":
+        texts = _strip_billing_header(texts)
+    result: dict[str, Any] = {"role": role}
+    if content_format == "openai":
+        result["content"] = [{"type": "text", "text": t} for t in texts]
+    else:
+        result["content"] = "\n".join(texts)
+    if role == "assistant":
+        if message.get("tool_calls") is not None:
+            result["tool_calls"] = _tool_calls(deepcopy(list(message["tool_calls"])))
+        if message.get("reasoning") is not None:
+            result["reasoning"] = result["reasoning_content"] = message["reasoning"]
+    elif role == "tool":
+        if "tool_call_id" in message:
+            result["tool_call_id"] = message["tool_call_id"]
+        if content_format == "openai":
+            result["content"] = "\n".join(texts)
+    for key in ("name", "task"):
+        if isinstance(message.get(key), str):
+            result[key] = message[key]
+    if role == "developer":
+        result["tools"] = message.get("tools")
+    return result
+
+
+def _text_parts(content: object) -> list[str]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
+    if not isinstance(content, list):
+        raise TokenizationError("message content must be a string or a list of parts", "messages")
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        part_type = part.get("type") if isinstance(part, dict) else None
+        key = _TEXT_PART_KEYS.get(part_type) if isinstance(part_type, str) else None
+        if key is None:
+            raise TokenizationError(
+                f"unsupported content part type {part_type!r}: only text parts are routed",
+                "messages",
+            )
+        text = part.get(key)
+        if text is not None:
+            texts.append(str(text))
+    return texts
+
+
+def _strip_billing_header(texts: list[str]) -> list[str]:
+    out = []
+    for text in texts:
+        if not text.startswith(_BILLING_HEADER):
+            out.append(text)
+        elif rest := text.partition("\n")[2]:
+            out.append(rest)
+    return out
+
+
+def _tool_calls(tool_calls: list[Any]) -> list[Any]:
+    """Arguments as dicts, as vLLM hands them to templates."""
+    for item in tool_calls:
+        function = item.get("function") if isinstance(item, dict) else None
+        if not isinstance(function, dict):
+            raise TokenizationError("assistant tool_calls entries must be objects", "tool_calls")
+        arguments = function.get("arguments")
+        if not arguments:
+            function["arguments"] = {}
+        elif not isinstance(arguments, dict):
+            try:
+                parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+            except json.JSONDecodeError:
+                parsed = None
+            function["arguments"] = parsed if isinstance(parsed, dict) else {}
+    return tool_calls
+
+
+def _developer_to_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for message in conversation:
+        if message["role"] == "developer":
+            message = {k: v for k, v in message.items() if k != "tools"}
+            message["role"] = "system"
+        out.append(message)
+    return out
+
+
+def _consolidate_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    system_texts: list[str] = []
+    others = []
+    needs_merge = False
+    for i, message in enumerate(conversation):
+        if message["role"] != "system":
+            others.append(message)
+            continue
+        needs_merge = needs_merge or i > 0 or bool(system_texts)
+        content = message.get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(p["text"] if isinstance(p, dict) else str(p) for p in content)
+        if content:
+            system_texts.append(content)
+    if not needs_merge:
+        return conversation
+    return [{"role": "system", "content": "\n\n".join(system_texts)}, *others]
+
+
+def _tag_final_message(conversation: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    conversation = deepcopy(conversation)
+    final = conversation[-1]
+    content = final.get("content")
+    if isinstance(content, list):
+        for block in reversed(content):
+            if "text" in block:
+                text = str(block["text"])
+                block["text"] = text + _CONTINUE_TAG
+                return conversation, text
+        raise TokenizationError("continue_final_message: no text in the final message", "messages")
+    if content is None:
+        raise TokenizationError(
+            "continue_final_message: the final message has no content", "messages"
+        )
+    final["content"] = str(content) + _CONTINUE_TAG
+    return conversation, str(content)
+
+
+def _cut_after_final_message(rendered: str, final_text: str) -> str:
+    tag = _CONTINUE_TAG.strip()
+    if final_text.strip() not in rendered or tag not in rendered:
+        raise TokenizationError(
+            "continue_final_message: the template drops part of the final message", "messages"
+        )
+    location = rendered.rindex(tag)
+    if rendered[location : location + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:location]
+    return rendered[:location].rstrip()
