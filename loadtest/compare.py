@@ -83,7 +83,7 @@ def run_policies(
         summary = summarize(
             policy, results, ceiling=ceiling, workers=worker_ids, time_scale=config.time_scale
         )
-        runs[policy] = PolicyRun(summary, results)
+        runs[policy] = PolicyRun(summary, results, worker_ids)
     return runs
 
 

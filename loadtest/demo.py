@@ -1,6 +1,6 @@
 """``kvroute demo``: the README's first command, a policy comparison in about a minute.
 
-Starts 4 simulated workers, replays one shared-prefix workload (8 tenants, each with a
+Starts 4 simulated workers, replays one shared-prefix workload (32 tenants, each with a
 long system prompt, many users) through the router with ``round_robin`` and then
 ``cache_aware``, prints the comparison table and writes the full report.
 """
@@ -16,14 +16,18 @@ from loadtest.fleet import FleetConfig, FleetError
 
 DEMO_WORKLOAD = "tenants"
 DEMO_PARAMS = {
-    "num_requests": "240",
+    "num_requests": "300",
     "rate": "24",
-    "num_tenants": "8",
-    "users_per_tenant": "32",
-    "system_tokens": "2048",
+    "num_tenants": "32",
+    "users_per_tenant": "16",
+    "system_tokens": "4096",
     "question_tokens": "64",
     "max_tokens": "32",
 }
+# NOTE: 32 system prompts of 128 blocks need 4,096 blocks; each worker holds 1,500. A
+# worker that sees every tenant (round_robin) keeps evicting them; a router that keeps
+# each tenant on a few workers keeps them all cached.
+DEMO_GPU_BLOCKS = 1500
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         max_duration_s=40.0,
         request_timeout_s=30.0,
         progress=not args.no_progress,
-        title="kvroute demo: 8 tenants x 2,048-token system prompts, 4 simulated workers",
+        title="kvroute demo: 32 tenants x 4,096-token system prompts, 4 simulated workers",
     )
     try:
         run_comparison(config)

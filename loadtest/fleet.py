@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,7 +29,6 @@ from pathlib import Path
 from typing import IO
 
 HOST = "127.0.0.1"
-ROUTER_READY_PATHS = ("/ready", "/health")
 
 
 class FleetError(RuntimeError):
@@ -69,6 +69,12 @@ def reset_prefix_cache(worker_url: str) -> bool:
         return bool(json.loads(body).get("success", True))
     except (ValueError, AttributeError):
         return True
+
+
+def num_gpu_blocks_from_metrics(text: str) -> int | None:
+    """``num_gpu_blocks`` from vLLM's ``vllm:cache_config_info{...num_gpu_blocks="N"...}``."""
+    match = re.search(r'vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', text)
+    return int(match.group(1)) if match else None
 
 
 @dataclass(slots=True)
@@ -150,6 +156,7 @@ class Fleet:
         self.router_port: int | None = None
         self._worker_children: list[Child] = []
         self._router_child: Child | None = None
+        self._agentless = False  # workers run without an agent (bare simulator)
         self._log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix="kvroute-fleet-"))
         self._log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -189,26 +196,39 @@ class Fleet:
         deadline = time.monotonic() + self.config.startup_timeout_s
         for endpoint, child in zip(self.workers, self._worker_children, strict=True):
             self._wait_ready(child, [endpoint.url + "/health"], deadline)
-            self._wait_ready(
-                child, [endpoint.agent_url + "/ready", endpoint.agent_url + "/health"], deadline
-            )
+            if not self._agentless:
+                agent_urls = [endpoint.agent_url + "/ready", endpoint.agent_url + "/health"]
+                self._wait_ready(child, agent_urls, deadline)
 
     def start_router(self, policy: str, extra_args: list[str] | None = None) -> str:
         """Start the router with ``policy`` over the fleet's workers; returns its URL."""
         self.stop_router()
         self.router_port = free_port()
+        # NOTE: --block-size is only the router's fallback for workers that do not tell
+        # (the bare simulator has neither an agent nor vLLM's cache_config_info metric).
         argv = kvroute_command(
-            "router", "--host", HOST, "--port", str(self.router_port), "--policy", policy
-        )
+            "router", "--host", HOST, "--port", str(self.router_port), "--policy", policy,
+            "--block-size", str(self.config.block_size),
+        )  # fmt: skip
         for endpoint in self.workers:
-            argv += ["--worker", endpoint.router_spec]
+            bare = f"{endpoint.url},id={endpoint.worker_id}"
+            argv += ["--worker", bare if self._agentless else endpoint.router_spec]
         argv += [*self.config.router_args, *(extra_args or [])]
         self._router_child = self._spawn(f"router-{policy}", argv)
         deadline = time.monotonic() + self.config.startup_timeout_s
-        self._wait_ready(
-            self._router_child, [self.router_url + p for p in ROUTER_READY_PATHS], deadline
-        )
+        self._wait_ready(self._router_child, [self.router_url + "/health"], deadline)
+        while not self._router_sees_all_workers():
+            self._check_starting(self._router_child, self.router_url + "/ready", deadline)
+            time.sleep(0.2)
         return self.router_url
+
+    def _router_sees_all_workers(self) -> bool:
+        """The router's /ready is 200 and counts every worker as healthy (routable)."""
+        try:
+            ready = json.loads(http_text(self.router_url + "/ready"))
+        except (OSError, ValueError):
+            return False
+        return bool(ready.get("healthy_workers", len(self.workers)) >= len(self.workers))
 
     def stop_router(self) -> None:
         if self._router_child is not None:
@@ -234,40 +254,56 @@ class Fleet:
                 time.sleep(0.2)
 
     def gpu_blocks_per_worker(self) -> int | None:
-        """Blocks per worker: the configured number, else the first agent's /v1/info."""
+        """Blocks per worker: the configured number, else the engine's ``vllm:cache_config_info``
+        metric (vLLM's), else the first agent's /v1/info, else the simulator's default."""
         if self.config.num_gpu_blocks is not None:
             return self.config.num_gpu_blocks
+        for endpoint in self.workers:
+            with contextlib.suppress(OSError):
+                blocks = num_gpu_blocks_from_metrics(http_text(endpoint.url + "/metrics"))
+                if blocks is not None:
+                    return blocks
         for endpoint in self.workers:
             with contextlib.suppress(OSError, ValueError):
                 value = json.loads(http_text(endpoint.agent_url + "/v1/info")).get("num_gpu_blocks")
                 if isinstance(value, int):
                     return value
-        return None
+        return self._sim_default_gpu_blocks()
+
+    def _sim_default_gpu_blocks(self) -> int | None:
+        """The simulator's own default: what its GPU profile's memory holds."""
+        if self.config.engine != "sim":
+            return None
+        from worker.sim.timing import DEFAULT_GPU_PROFILE, GPU_PROFILES
+
+        args = self.config.worker_args
+        profile = DEFAULT_GPU_PROFILE
+        if "--gpu-profile" in args[:-1]:
+            profile = args[args.index("--gpu-profile") + 1]
+        return GPU_PROFILES[profile].default_num_gpu_blocks(self.config.block_size)
 
     # -- internal helpers ---------------------------------------------------------
 
     def _worker_argv(self, endpoint: WorkerEndpoint) -> list[str]:
+        from router.cli import SUBCOMMANDS
         from worker.models import model_dir
 
-        argv = kvroute_command(
-            "worker",
-            "--engine",
-            self.config.engine,
-            "--model",
-            str(model_dir(self.config.model)),
-            "--port",
-            str(endpoint.http_port),
-            "--zmq-port",
-            str(endpoint.zmq_port),
-            "--replay-port",
-            str(endpoint.replay_port),
-            "--agent-port",
-            str(endpoint.agent_port),
-            "--block-size",
-            str(self.config.block_size),
-        )
+        common = [
+            "--model", str(model_dir(self.config.model)),
+            "--port", str(endpoint.http_port),
+            "--zmq-port", str(endpoint.zmq_port),
+            "--replay-port", str(endpoint.replay_port),
+            "--block-size", str(self.config.block_size),
+        ]  # fmt: skip
         if self.config.num_gpu_blocks is not None:
-            argv += ["--num-gpu-blocks", str(self.config.num_gpu_blocks)]
+            common += ["--num-gpu-blocks", str(self.config.num_gpu_blocks)]
+        if "worker" not in SUBCOMMANDS and self.config.engine == "sim":
+            # NOTE: without `kvroute worker` (no agent), the bare simulator still works:
+            # the router then subscribes to its ZMQ events directly, as to a stock vLLM.
+            self._agentless = True
+            return [sys.executable, "-m", "worker.sim", *common, *self.config.worker_args]
+        argv = kvroute_command("worker", "--engine", self.config.engine, *common)
+        argv += ["--agent-port", str(endpoint.agent_port)]
         return argv + self.config.worker_args
 
     def _spawn(self, name: str, argv: list[str]) -> Child:
@@ -289,13 +325,13 @@ class Fleet:
         while True:
             if any(http_status(url, timeout_s=1.0) == 200 for url in urls):
                 return
-            code = child.process.poll()
-            if code is not None:
-                raise FleetError(
-                    f"{child.name} exited with {code} while starting:\n{child.log_tail()}"
-                )
-            if time.monotonic() > deadline:
-                raise FleetError(
-                    f"{child.name} not ready at {urls[0]} in time:\n{child.log_tail()}"
-                )
+            self._check_starting(child, urls[0], deadline)
             time.sleep(0.2)
+
+    def _check_starting(self, child: Child, url: str, deadline: float) -> None:
+        """Raise ``FleetError`` (with the log tail) if ``child`` died or ran out of time."""
+        code = child.process.poll()
+        if code is not None:
+            raise FleetError(f"{child.name} exited with {code} while starting:\n{child.log_tail()}")
+        if time.monotonic() > deadline:
+            raise FleetError(f"{child.name} not ready at {url} in time:\n{child.log_tail()}")

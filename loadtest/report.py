@@ -40,6 +40,7 @@ TABLE_COLUMNS = (
 class PolicyRun:
     summary: RunSummary
     results: list[RequestResult]
+    workers: list[str] = dataclasses.field(default_factory=list)  # the fleet's, in order
 
 
 def _fmt(value: float, digits: int = 3) -> str:
@@ -90,7 +91,7 @@ def _plot_ttft_cdf(runs: Mapping[str, PolicyRun], path: Path, time_scale: float)
 def _plot_worker_load(runs: Mapping[str, PolicyRun], path: Path, time_scale: float) -> None:
     fig, axes = plt.subplots(len(runs), 1, figsize=(8, 2.4 * len(runs) + 0.6), squeeze=False)
     for ax, (policy, run) in zip(axes[:, 0], runs.items(), strict=True):
-        times, worker_to_counts = inflight_series(run.results)
+        times, worker_to_counts = inflight_series(run.results, workers=run.workers)
         for worker, counts in worker_to_counts.items():
             ax.plot([t * time_scale for t in times], counts, label=worker, linewidth=1)
         ax.set_title(f"{policy}: requests in flight per worker", fontsize=10)

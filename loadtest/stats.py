@@ -113,16 +113,17 @@ def summarize(
 
 
 def inflight_series(
-    results: Sequence[RequestResult], num_points: int = 200
+    results: Sequence[RequestResult], num_points: int = 200, workers: Sequence[str] = ()
 ) -> tuple[list[float], dict[str, list[int]]]:
-    """Per worker, requests in flight (sent, not done) at ``num_points`` evenly spaced times."""
+    """Per worker, requests in flight (sent, not done) at ``num_points`` evenly spaced times;
+    ``workers`` that served nothing get a row of zeros."""
     sent = [r for r in results if r.status != STATUS_NOT_SENT]
     if not sent:
         return [], {}
     end = max(r.done_s for r in sent)
     times = np.linspace(0.0, end, num_points)
     worker_to_counts: dict[str, list[int]] = {}
-    for worker in sorted({r.worker for r in sent}):
+    for worker in sorted({r.worker for r in sent} | set(workers)):
         mine = [r for r in sent if r.worker == worker]
         starts = np.sort(np.array([r.sent_s for r in mine]))
         ends = np.sort(np.array([r.done_s for r in mine]))
