@@ -79,6 +79,10 @@ async def metric_value(agent_url: str, name: str) -> float:
     return total
 
 
+async def metric_positive(agent_url: str, name: str) -> bool:
+    return await metric_value(agent_url, name) > 0
+
+
 def with_engine_and_agent(
     body: Callable[[FakeEngine, str], Awaitable[None]], **config: object
 ) -> None:
@@ -158,6 +162,11 @@ def test_broken_payloads_are_counted_and_the_agent_carries_on() -> None:
             await wait_until(lambda: handler.blocks == engine.truth, what="client == engine")
         errors = await metric_value(agent_url, "kvroute_agent_decode_errors_total")
         assert errors >= 4
+        engine.metrics_text = "not prometheus text"  # a broken /metrics is counted too
+        await wait_until(
+            lambda: metric_positive(agent_url, "kvroute_agent_engine_scrape_errors_total"),
+            what="scrape error counted",
+        )
         async with aiohttp.ClientSession() as session, session.get(f"{agent_url}/health") as r:
             assert r.status == 200
 

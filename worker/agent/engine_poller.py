@@ -42,32 +42,40 @@ class EngineMetrics:
     prefix_cache_hits: int | None = None
     block_size: int | None = None  # from vllm:cache_config_info
     num_gpu_blocks: int | None = None
-    families: set[str] = field(default_factory=set)  # metric names seen
+    families: set[str] = field(default_factory=set)  # sample names seen
 
 
 def parse_engine_metrics(text: str) -> EngineMetrics:
-    """Parse Prometheus text; unknown or missing metrics leave defaults. Raises ValueError."""
+    """Parse Prometheus text; unknown or missing metrics leave defaults. Raises ValueError.
+
+    NOTE: matched by sample name, not family name: how a parser groups a counter's
+    ``_total`` sample with its family varies (and with ``:`` in names), sample names
+    do not.
+    """
     parsed = EngineMetrics()
-    kv_usages: list[float] = []
+    name_to_values: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(text):
-        parsed.families.add(family.name)
-        values = [sample.value for sample in family.samples if not sample.name.endswith("_created")]
-        if family.name == "vllm:num_requests_running":
-            parsed.num_running = int(sum(values))
-        elif family.name == "vllm:num_requests_waiting":
-            parsed.num_waiting = int(sum(values))
-        elif family.name == "vllm:kv_cache_usage_perc":
-            kv_usages.extend(values)
-        elif family.name == PREFILL_TOKENS_QUEUED_METRIC:
-            parsed.prefill_tokens_queued = int(sum(values))
-        elif family.name == "vllm:prefix_cache_queries":
-            parsed.prefix_cache_queries = int(sum(values))
-        elif family.name == "vllm:prefix_cache_hits":
-            parsed.prefix_cache_hits = int(sum(values))
-        elif family.name == "vllm:cache_config_info" and family.samples:
-            labels = family.samples[0].labels
-            parsed.block_size = _int_or_none(labels.get("block_size"))
-            parsed.num_gpu_blocks = _int_or_none(labels.get("num_gpu_blocks"))
+        for sample in family.samples:
+            parsed.families.add(sample.name)
+            name_to_values.setdefault(sample.name, []).append(sample.value)
+            if sample.name == "vllm:cache_config_info":
+                parsed.block_size = _int_or_none(sample.labels.get("block_size"))
+                parsed.num_gpu_blocks = _int_or_none(sample.labels.get("num_gpu_blocks"))
+
+    def total(*names: str) -> float | None:
+        for name in names:
+            if name in name_to_values:
+                return sum(name_to_values[name])
+        return None
+
+    parsed.num_running = int(total("vllm:num_requests_running") or 0)
+    parsed.num_waiting = int(total("vllm:num_requests_waiting") or 0)
+    parsed.prefill_tokens_queued = int(total(PREFILL_TOKENS_QUEUED_METRIC) or 0)
+    queries = total("vllm:prefix_cache_queries_total", "vllm:prefix_cache_queries")
+    hits = total("vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits")
+    parsed.prefix_cache_queries = None if queries is None else int(queries)
+    parsed.prefix_cache_hits = None if hits is None else int(hits)
+    kv_usages = name_to_values.get("vllm:kv_cache_usage_perc", [])
     if kv_usages:
         parsed.kv_usage = sum(kv_usages) / len(kv_usages)
     return parsed
