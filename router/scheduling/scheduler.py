@@ -113,10 +113,13 @@ class Scheduler:
         chosen = self.policy.choose(ctx)
         # "score": the policy's own time, outside the hashing and lookups it asked for.
         phases["score"] = max(0.0, time.perf_counter() - start - phases["hash"] - phases["lookup"])
+        before = phases["hash"] + phases["lookup"]
         start = time.perf_counter()
         decision = self._commit(ctx, chosen, now)
         self.policy.on_routed(ctx, decision)
-        phases["commit"] = time.perf_counter() - start
+        # "commit": predictions, load and the policy hook, outside any late hash/lookup.
+        elapsed = time.perf_counter() - start
+        phases["commit"] = max(0.0, elapsed - (phases["hash"] + phases["lookup"] - before))
         return decision
 
     def on_first_token(self, decision: Decision, ttft_s: float) -> None:

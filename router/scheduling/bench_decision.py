@@ -1,0 +1,246 @@
+"""Benchmark: one routing decision for an 8,192-token prompt over 64 workers.
+
+    python -m router.scheduling.bench_decision [--workers 64 --blocks 1000000
+        --prompt-tokens 8192 --block-size 16 --iterations 400 --seed 0 --json out.json]
+
+Builds a real ``PrefixIndex`` holding ``--blocks`` (worker, block) entries, fed as
+``BlockStored`` events: every worker holds a different-length prefix of the query
+prompts (so the lookup walks deep with many workers still in the run) plus random
+chains up to the total. Then times, on the same index and prompts, in one run:
+
+- ``cache_aware``: ``Scheduler.pick`` end to end, split by phase (hash, lookup,
+  score, commit = predicted blocks + load + policy hook);
+- baseline ``round_robin``: ``Scheduler.pick`` (it still hashes and looks up the
+  chosen worker, because every Decision carries its predicted cached tokens);
+- baseline naive scoring: the same cost model, but one index lookup per worker;
+- tokenization, reported apart: an 8,192-token chat request and completion prompt
+  with the shipped tiny tokenizer (byte-level: one token per byte).
+
+Prints a table (microseconds) and writes JSON. Fixed seed; predictions expire on a
+simulated clock so the index does not grow across iterations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kvindex.hashing import Namespace, hash_prompt
+from kvindex.index import PrefixIndex, WorkerId
+from kvindex.protocol import BlockStored
+from router.scheduling.cost_model import TierCosts, effective_uncached_tokens, expected_ttft
+from router.scheduling.rates import RateLearner
+from router.scheduling.registry import create_policy
+from router.scheduling.scheduler import Scheduler
+from router.scheduling.types import RoutingRequest, WorkerLoad, WorkerView
+
+MODEL = "bench-model"
+NUM_QUERIES = 32
+CHAIN_BLOCKS = 256
+
+
+class SimClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def build_fleet(args: argparse.Namespace, rng: random.Random) -> tuple[
+    PrefixIndex, list[WorkerView], list[list[int]]
+]:  # fmt: skip
+    """The index, the worker views and the query prompts (see module docstring)."""
+    namespace = Namespace(MODEL, block_size=args.block_size)
+    index = PrefixIndex()
+    workers = []
+    for i in range(args.workers):
+        worker_id = WorkerId(f"worker-{i:02d}")
+        index.add_worker(worker_id, namespace)
+        load = WorkerLoad(
+            num_running=rng.randrange(0, 16), prefill_tokens_queued=rng.randrange(0, 8000)
+        )
+        workers.append(
+            WorkerView(worker_id, f"http://10.0.0.{i}:8000", namespace, True,
+                       frozenset({MODEL}), frozenset(), None, load)
+        )  # fmt: skip
+    base = [rng.randrange(1, 32_000) for _ in range(args.prompt_tokens)]
+    queries = []
+    for q in range(NUM_QUERIES):  # share a long prefix of `base`, then differ
+        keep = rng.randrange(args.prompt_tokens // 2, args.prompt_tokens)
+        tail = [rng.randrange(1, 32_000) for _ in range(args.prompt_tokens - keep)]
+        queries.append(base[:keep] + tail if q else base)
+    engine_hash = 0
+    num_blocks = 0
+
+    def store(worker: WorkerView, token_ids: list[int]) -> None:
+        nonlocal engine_hash, num_blocks
+        n = len(token_ids) // args.block_size
+        if n == 0:
+            return
+        event = BlockStored(
+            block_hashes=list(range(engine_hash + 1, engine_hash + n + 1)),
+            parent_block_hash=None,
+            token_ids=token_ids[: n * args.block_size],
+            block_size=args.block_size,
+        )
+        engine_hash += n
+        num_blocks += n
+        index.apply(worker.worker_id, event)
+
+    for i, worker in enumerate(workers):  # worker i holds a prefix of length ~ i
+        store(worker, base[: (i + 1) * args.prompt_tokens // len(workers)])
+    chain_tokens = CHAIN_BLOCKS * args.block_size
+    while num_blocks < args.blocks:
+        worker = workers[rng.randrange(len(workers))]
+        store(worker, [rng.randrange(1, 32_000) for _ in range(chain_tokens)])
+    return index, workers, queries
+
+
+def time_calls(
+    fn: Callable[[int], dict[str, float] | None], iterations: int
+) -> dict[str, list[float]]:
+    """Per-iteration seconds: "total", plus any phases ``fn`` returns."""
+    samples: dict[str, list[float]] = {"total": []}
+    for i in range(iterations):
+        start = time.perf_counter()
+        phases = fn(i)
+        samples["total"].append(time.perf_counter() - start)
+        for name, seconds in (phases or {}).items():
+            samples.setdefault(name, []).append(seconds)
+    return samples
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return {"p50_us": statistics.median(ordered) * 1e6, "p99_us": p99 * 1e6,
+            "mean_us": statistics.fmean(ordered) * 1e6}  # fmt: skip
+
+
+def bench_scheduler(
+    index: PrefixIndex, workers: list[WorkerView], queries: list[list[int]], policy: str, n: int
+) -> dict[str, list[float]]:
+    clock = SimClock()
+    scheduler = Scheduler(index, create_policy(policy), clock=clock, rng=random.Random(1))
+
+    def one(i: int) -> dict[str, float]:
+        clock.now += 1.0  # the previous pick's predictions (TTL 2 s) expire in turn
+        request = RoutingRequest(MODEL, None, None, queries[i % len(queries)], None, 64)
+        decision = scheduler.pick(request, workers)
+        assert decision is not None
+        scheduler.on_finish(decision, num_cached_tokens=None, ok=False)
+        return dict(decision.phase_seconds)
+
+    one(0)  # warm-up
+    return time_calls(one, n)
+
+
+def bench_naive(
+    index: PrefixIndex, workers: list[WorkerView], queries: list[list[int]], n: int
+) -> dict[str, list[float]]:
+    """Same cost model, one lookup per worker (what a per-worker index would cost)."""
+    rates = RateLearner()
+    costs = TierCosts()
+    namespace = workers[0].namespace
+
+    def one(i: int) -> dict[str, float]:
+        prompt = queries[i % len(queries)]
+        start = time.perf_counter()
+        hashes = hash_prompt(namespace, prompt)
+        hashed = time.perf_counter()
+        scores = []
+        for worker in workers:
+            overlap = index.lookup(hashes).get(worker.worker_id)
+            uncached = effective_uncached_tokens(overlap, namespace.block_size, len(prompt), costs)
+            scores.append(expected_ttft(rates.rates_of(worker.worker_id), worker.load, uncached))
+        min(range(len(scores)), key=scores.__getitem__)
+        return {"hash": hashed - start, "lookup+score": time.perf_counter() - hashed}
+
+    return time_calls(one, n)
+
+
+def bench_tokenize(prompt_tokens: int, n: int) -> dict[str, dict[str, list[float]]]:
+    from router.tokenization import ModelTokenizer
+    from worker.models import model_dir
+
+    tokenizer = ModelTokenizer.from_dir(model_dir("tiny"))
+    rng = random.Random(7)
+    words = ["cache", "router", "prefix", "block", "worker", "token", "tier", "load"]
+    text = " ".join(rng.choice(words) for _ in range(prompt_tokens // 5))
+    system, user = text[: len(text) // 2], text[len(text) // 2 :]
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    overhead = len(tokenizer.chat_token_ids(messages)) - len(text)
+    user = user[: max(0, len(user) - (len(text) + overhead - prompt_tokens))]
+    messages[1]["content"] = user
+    chat_tokens = len(tokenizer.chat_token_ids(messages))
+    completion = (system + user)[:prompt_tokens]
+
+    def chat(i: int) -> None:
+        tokenizer.chat_token_ids(messages)
+
+    def complete(i: int) -> None:
+        tokenizer.completion_token_ids(completion)
+
+    num_completion = len(tokenizer.completion_token_ids(completion))
+    return {
+        f"tokenize chat ({chat_tokens} tokens)": time_calls(chat, n),
+        f"tokenize completion ({num_completion} tokens)": time_calls(complete, n),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--workers", type=int, default=64)
+    parser.add_argument("--blocks", type=int, default=1_000_000)
+    parser.add_argument("--prompt-tokens", type=int, default=8192)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--iterations", type=int, default=400)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=Path("bench_decision.json"))
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+    start = time.perf_counter()
+    index, workers, queries = build_fleet(args, rng)
+    stats = index.stats()
+    print(f"index: {stats.num_blocks:,} (worker, block) entries, {stats.num_workers} workers, "
+          f"built in {time.perf_counter() - start:.1f} s", flush=True)  # fmt: skip
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    n = args.iterations
+    for name, samples in (
+        ("cache_aware pick", bench_scheduler(index, workers, queries, "cache_aware", n)),
+        ("round_robin pick (baseline)", bench_scheduler(index, workers, queries, "round_robin", n)),
+        ("naive per-worker lookups (baseline)", bench_naive(index, workers, queries, n)),
+        *bench_tokenize(args.prompt_tokens, n).items(),
+    ):
+        results[name] = {phase: summary(values) for phase, values in samples.items()}
+    print(f"\n{'measurement':<40} {'phase':<14} {'p50 us':>10} {'p99 us':>10} {'mean us':>10}")
+    for name, phases in results.items():
+        for phase, row in phases.items():
+            print(f"{name:<40} {phase:<14} {row['p50_us']:>10.1f} {row['p99_us']:>10.1f} "
+                  f"{row['mean_us']:>10.1f}")  # fmt: skip
+            name = ""
+    report = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "machine": {
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "processor": platform.machine(),
+        },
+        "index": {"num_blocks": stats.num_blocks, "num_workers": stats.num_workers},
+        "results": results,
+    }
+    args.json.write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
