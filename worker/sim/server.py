@@ -114,8 +114,11 @@ def build_state(config: SimConfig) -> SimState:
     profile = get_gpu_profile(config.gpu_profile)
     tokenizer = SimTokenizer(config.model)
     served = _served_name(config)
-    max_model_len = _max_model_len(config)
     num_blocks = config.num_gpu_blocks or profile.default_num_gpu_blocks(config.block_size)
+    # NOTE: vLLM refuses to start when one max-length sequence cannot fit in the KV
+    # cache; we cap max_model_len instead, so a small test pool still works and no
+    # admitted prompt can wait forever for blocks.
+    max_model_len = min(_max_model_len(config), (num_blocks - 1) * config.block_size)
     scheduler = Scheduler(
         SchedulerConfig(
             num_gpu_blocks=num_blocks,

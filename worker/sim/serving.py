@@ -140,8 +140,10 @@ def start_job(
 def _usage(job: _Job) -> dict[str, Any]:
     prompt_tokens = sum(job.prompt_token_counts)
     completion_tokens = sum(s.request.num_output_tokens for s in job.streams)
+    # NOTE: vLLM reports the cached tokens of the last prompt (last_final_res), not a
+    # sum over a batch of prompts; we do the same.
     n = len(job.streams) // max(len(job.prompt_token_counts), 1)
-    cached = sum(s.request.num_cached_tokens or 0 for s in job.streams[::n])
+    cached = job.streams[-n].request.num_cached_tokens or 0
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
@@ -209,7 +211,10 @@ def _full_choice(kind: str, stream: RequestStream, text: str) -> dict[str, Any]:
 async def respond_stream(
     ctx: ServingContext, job: _Job, http_request: web.Request
 ) -> web.StreamResponse:
-    """SSE: one chunk per token (finish_reason on the last), usage chunk, [DONE]."""
+    """SSE: one chunk per token (finish_reason on the last), usage chunk, [DONE].
+
+    Chunks carry no ``usage`` key except the final usage chunk (vLLM serialises with
+    ``exclude_unset``)."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})  # fmt: skip
     await response.prepare(http_request)
@@ -238,7 +243,7 @@ async def respond_stream(
             text = ctx.token_text[token]
             chunks.append(_delta(job.kind, index, text, reason if is_last else None))
             for chunk in chunks:
-                await _send(response, {**header, **chunk, "usage": None})
+                await _send(response, {**header, **chunk})
         if job.include_usage:
             await _send(response, {**header, "choices": [], "usage": _usage(job)})
         await response.write(b"data: [DONE]\n\n")
@@ -252,7 +257,8 @@ async def respond_stream(
 def _delta(kind: str, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
     if kind == "completion":
         return {"choices": [{"index": index, "text": text, "logprobs": None,
-                             "finish_reason": finish_reason, "stop_reason": None}]}  # fmt: skip
+                             "finish_reason": finish_reason, "stop_reason": None,
+                             "prompt_token_ids": None, "token_ids": None}]}  # fmt: skip
     return _chat_delta(index, {"content": text}, finish_reason)
 
 
