@@ -24,28 +24,20 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from urllib.parse import urlsplit
 
 import aiohttp
-import zmq
 import zmq.asyncio
 
 from kvindex.agent_protocol import Epoch, LoadReport, StreamSeq
 from kvindex.index import PrefixIndex, WorkerId
-from kvindex.protocol import (
-    SEQ_END_MARKER,
-    BlockStored,
-    EventBatch,
-    EventDecodeError,
-    decode_frame,
-)
+from kvindex.protocol import BlockStored, EventBatch
 from router.fleet import Fleet, FleetWorker
 from router.metrics import RouterMetrics
+from router.zmq_subscription import ZmqSubscription
 
 log = logging.getLogger(__name__)
 
 _RESTART_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
-_REPLAY_TIMEOUT_S = 5.0
 
 
 class IndexFeed:
@@ -177,121 +169,3 @@ class SubscriptionManager:
 
         client = AgentClient(self._session, agent_url, self._agent_token, feed)
         await client.run()
-
-
-class ZmqSubscription:
-    """Direct subscription to a stock vLLM's ZMQ publisher (see the module docstring)."""
-
-    def __init__(
-        self,
-        session: aiohttp.ClientSession,
-        context: zmq.asyncio.Context,
-        worker: FleetWorker,
-        feed: IndexFeed,
-        fleet: Fleet,
-    ) -> None:
-        self._session = session
-        self._context = context
-        self._worker = worker
-        self._feed = feed
-        self._fleet = fleet
-        self._last_seq: int | None = None  # seq of the last batch applied
-        self._block_size_known = False
-
-    async def run(self) -> None:
-        endpoint, replay_endpoint, topic = await self._sources()
-        sub = self._context.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        sub.connect(endpoint)
-        try:
-            self._feed.purge()
-            if replay_endpoint is not None:
-                await self._replay(replay_endpoint, 0)
-            while True:
-                frames = await sub.recv_multipart()
-                await self._on_frames(frames, replay_endpoint)
-        finally:
-            sub.close(linger=0)
-
-    async def _on_frames(self, frames: list[bytes], replay_endpoint: str | None) -> None:
-        try:
-            frame = decode_frame(frames)
-        except EventDecodeError as exc:
-            log.warning("worker %s: bad KV event frame: %s", self._feed.worker_id, exc)
-            return
-        last = self._last_seq
-        if last is not None and frame.seq <= last:
-            if frame.seq < last and frame.seq == 0:
-                log.warning("worker %s: seq reset (engine restart), purging", self._feed.worker_id)
-                self._feed.purge()
-                self._last_seq = None
-            else:
-                return  # already applied (replay overlap)
-        elif last is not None and frame.seq > last + 1 and replay_endpoint is not None:
-            await self._replay(replay_endpoint, last + 1)
-            if self._last_seq is not None and frame.seq <= self._last_seq:
-                return
-        self._apply(frame.seq, frame.batch)
-
-    def _apply(self, seq: int, batch: EventBatch) -> None:
-        if not self._block_size_known:
-            for event in batch.events:
-                if isinstance(event, BlockStored):
-                    self._fleet.set_block_size(self._feed.worker_id, event.block_size)
-                    self._block_size_known = True
-                    break
-        self._feed.apply_batch(batch)
-        self._last_seq = seq
-
-    async def _replay(self, replay_endpoint: str, start_seq: int) -> None:
-        """Apply every buffered batch from ``start_seq`` (vLLM's ROUTER replay protocol)."""
-        dealer = self._context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(replay_endpoint)
-        try:
-            await dealer.send_multipart([b"", start_seq.to_bytes(8, "big")])
-            async with asyncio.timeout(_REPLAY_TIMEOUT_S):
-                while True:
-                    frames = await dealer.recv_multipart()
-                    body = frames[1:] if frames and frames[0] == b"" else frames
-                    if (
-                        len(body) == 3
-                        and int.from_bytes(body[1], "big", signed=True) == SEQ_END_MARKER
-                    ):
-                        return
-                    try:
-                        frame = decode_frame(body)
-                    except EventDecodeError as exc:
-                        log.warning("worker %s: bad replay frame: %s", self._feed.worker_id, exc)
-                        continue
-                    if self._last_seq is None or frame.seq > self._last_seq:
-                        self._apply(frame.seq, frame.batch)
-        except TimeoutError:
-            log.warning("worker %s: replay from %d timed out", self._feed.worker_id, start_seq)
-        finally:
-            dealer.close(linger=0)
-
-    async def _sources(self) -> tuple[str, str | None, str]:
-        url = self._worker.spec.url
-        async with self._session.get(url + "/kv_event_sources") as resp:
-            resp.raise_for_status()
-            sources = await resp.json()
-        if not sources:
-            raise RuntimeError(f"{url} publishes no KV events (/kv_event_sources is empty)")
-        config = sources.get("0") or next(iter(sources.values()))
-        host = urlsplit(url).hostname or "127.0.0.1"
-        endpoint = _connectable(str(config["endpoint"]), host)
-        replay = config.get("replay_endpoint")
-        return (
-            endpoint,
-            _connectable(str(replay), host) if replay else None,
-            str(config.get("topic") or ""),
-        )
-
-
-def _connectable(endpoint: str, host: str) -> str:
-    """A bind address (``tcp://*:5557``) as an address to connect to on ``host``."""
-    for wildcard in ("*", "0.0.0.0"):
-        endpoint = endpoint.replace(f"//{wildcard}:", f"//{host}:")
-    return endpoint
