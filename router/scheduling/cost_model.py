@@ -7,6 +7,10 @@
     running(w)  = max(load.num_running, load.num_inflight)
     ttft(w)     = overhead(w) + s_prefill(w) * (queued(w) + uncached(w))
                 + s_running(w) * running(w)
+    score(w)    = ttft(w) + added_work_weight * s_prefill(w) * uncached(w)
+
+``overhead``, ``s_prefill`` (seconds per prefill token) and ``s_running`` are learned
+per worker (``rates.py``); ``added_work_weight`` is cache_aware's parameter (0.5).
 
 ``hit_tokens`` is what the engine can reuse: the leading blocks the index says ``w``
 holds (any tier, or predicted), capped like vLLM caps a hit (it always recomputes at
@@ -85,6 +89,14 @@ def decode_batch(load: WorkerLoad) -> int:
     return max(load.num_running, load.num_inflight)
 
 
-def expected_ttft(rates: WorkerRates, load: WorkerLoad, uncached_tokens: float) -> float:
-    """The cache-aware score of one worker, in seconds (lower is better)."""
-    return rates.predict_ttft(queued_prefill_tokens(load) + uncached_tokens, decode_batch(load))
+def expected_ttft(
+    rates: WorkerRates, load: WorkerLoad, uncached_tokens: float, added_work_weight: float = 0.0
+) -> float:
+    """Expected TTFT in seconds, plus ``added_work_weight`` x the prefill time this
+    request adds (see ``policies/cache_aware.py``). Lower is better."""
+    work = (
+        load.prefill_tokens_queued
+        + load.inflight_prefill_tokens
+        + uncached_tokens * (1.0 + added_work_weight)
+    )
+    return rates.predict_ttft(work, max(load.num_running, load.num_inflight))

@@ -67,21 +67,22 @@ class CacheAwarePolicy(BasePolicy):
         return argmin_random_tie(candidates, scores, ctx.rng)
 
     def expected_ttfts(self, ctx: PickContext) -> list[float]:
-        """Expected TTFT (seconds) per candidate, in candidate order."""
+        """Scores (seconds) per candidate, in candidate order."""
         num_prompt_tokens = len(ctx.request.prompt_token_ids)
         rates_of = ctx.rates.rates_of
         costs = self.costs
         weight = self.added_work_weight
         scores = []
         for worker in ctx.candidates:
-            uncached = effective_uncached_tokens(
-                ctx.overlap(worker), worker.namespace.block_size, num_prompt_tokens, costs
+            overlap = ctx.overlaps(worker).get(worker.worker_id)
+            uncached = (
+                float(num_prompt_tokens)
+                if overlap is None
+                else effective_uncached_tokens(
+                    overlap, worker.namespace.block_size, num_prompt_tokens, costs
+                )
             )
-            rates = rates_of(worker.worker_id)
-            scores.append(
-                expected_ttft(rates, worker.load, uncached)
-                + weight * uncached * rates.seconds_per_prefill_token
-            )
+            scores.append(expected_ttft(rates_of(worker.worker_id), worker.load, uncached, weight))
         return scores
 
     def _sample(self, ctx: PickContext, scores: list[float]) -> WorkerView:
