@@ -157,9 +157,11 @@ class MessageStreamDecoder:
     """Incremental decoder of the framed stream; accepts any chunk boundaries.
 
     ``feed(chunk)`` returns the messages completed by that chunk, in order. Bytes of a
-    message not yet complete stay buffered (``num_buffered_bytes``). The first bad
-    frame raises ``StreamDecodeError``; the decoder is then poisoned and raises again on
-    every call, since nothing after a bad length can be trusted.
+    message not yet complete stay buffered (``num_buffered_bytes``). A bad frame raises
+    ``StreamDecodeError`` (from that call if it decoded nothing before the bad frame,
+    else from the next ``feed`` or ``close``, so good messages are never dropped); the
+    decoder is then poisoned and raises on every call, since nothing after a bad length
+    can be trusted.
 
     Cost: O(len(chunk)) amortised per feed; a partially received large message is
     copied only once per feed that completes at least one message.
@@ -185,17 +187,26 @@ class MessageStreamDecoder:
             while len(view) - offset >= LENGTH_PREFIX_BYTES:
                 length = int.from_bytes(view[offset : offset + LENGTH_PREFIX_BYTES], "big")
                 if not 0 < length <= self._max_message_bytes:
-                    self._poison(StreamDecodeError("length", f"message length {length}"))
+                    self._error = StreamDecodeError("length", f"message length {length}")
+                    break
                 end = offset + LENGTH_PREFIX_BYTES + length
                 if end > len(view):
                     break
-                try:
-                    messages.append(decode_message_body(view[offset + LENGTH_PREFIX_BYTES : end]))
-                except StreamDecodeError as exc:
-                    self._poison(exc)
+                # NOTE: released explicitly: an error's traceback must not pin the buffer.
+                with view[offset + LENGTH_PREFIX_BYTES : end] as body:
+                    try:
+                        messages.append(decode_message_body(body))
+                    except StreamDecodeError as exc:
+                        self._error = exc
+                        break
                 offset = end
         finally:
             view.release()
+        if self._error is not None:
+            self._buffer.clear()
+            if not messages:
+                raise self._error
+            return messages  # the good messages before the garbage; the next call raises
         if offset:
             del self._buffer[:offset]
         return messages

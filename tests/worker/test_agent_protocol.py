@@ -181,3 +181,19 @@ def test_agent_info_round_trips_as_json() -> None:
     )
     assert decode_info(encode_info(info)) == info
     assert msgspec.json.decode(encode_info(info))["block_size"] == 32
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(messages, min_size=1, max_size=4), st.lists(st.integers(0, 10_000), max_size=8))
+def test_messages_before_garbage_are_delivered_then_the_error(
+    sent: list[AgentMessage], cuts: list[int]
+) -> None:
+    stream = b"".join(encode_message(message) for message in sent) + b"\x00\x00\x00\x01\xc1"
+    decoder = MessageStreamDecoder()
+    received: list[AgentMessage] = []
+    with pytest.raises(StreamDecodeError) as caught:
+        for chunk in split_at(stream, cuts):
+            received.extend(decoder.feed(chunk))
+        decoder.close()
+    assert caught.value.kind == "msgpack"
+    assert received == sent

@@ -152,7 +152,7 @@ def test_engine_kill_and_restart_gives_a_new_epoch_and_snapshot(
 ) -> None:
     """One own server (it gets killed): the only vLLM start of the agent's tests."""
     log = tmp_path_factory.mktemp("agent-restart") / "vllm.log"
-    with VllmServer(log, model="tiny", num_gpu_blocks=256, omp_threads_bind="1") as server:
+    with VllmServer(log, model="tiny", num_gpu_blocks=512, omp_threads_bind="1") as server:
         start_all([server])
 
         async def test() -> None:
