@@ -27,6 +27,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib import ticker
 
 from loadtest.ceiling import workload_ceiling
 from loadtest.compare import (
@@ -107,6 +108,8 @@ def plot_sweep(rows: Sequence[tuple[float, RunSummary]], out_dir: Path, slo_s: f
         if name == "p90":
             ax.axhline(slo_s, color="black", linestyle="--", linewidth=1, label=f"SLO {slo_s:g} s")
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(ticker.NullFormatter())
         ax.set_xlabel("offered load (x the trace's request rate)")
         ax.set_ylabel(f"TTFT {name} (s, log scale)")
         ax.set_title(f"TTFT {name} vs offered load")
@@ -156,6 +159,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="cap on completion tokens (0: the trace's own lengths)",
     )
     parser.add_argument("--max-input-tokens", type=int, default=0)
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=131072,
+        help="simulated context limit (the trace's prompts reach 126K tokens)",
+    )
     parser.add_argument("--slo-ttft-p90-s", type=float, default=2.0)
     parser.add_argument("--num-gpu-blocks", type=int, default=None)
     parser.add_argument("--worker-arg", action="append", default=[])
@@ -174,7 +183,13 @@ def run_sweep(args: argparse.Namespace) -> dict[str, object]:
         engine="sim",
         model="tiny",
         num_gpu_blocks=args.num_gpu_blocks,
-        worker_args=[args.speedup_flag, str(args.sim_speedup), *args.worker_arg],
+        worker_args=[
+            args.speedup_flag,
+            str(args.sim_speedup),
+            "--max-model-len",
+            str(args.max_model_len),
+            *args.worker_arg,
+        ],
         router_args=list(args.router_arg),
         startup_timeout_s=120.0,
     )

@@ -1,0 +1,41 @@
+"""The sweep: goodput rule, table, and a tiny real run through router and simulators."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from loadtest import sweep
+
+
+def test_goodput_is_highest_load_under_slo_with_all_lighter_loads_under() -> None:
+    assert sweep.goodput({1.0: 0.5, 2.0: 1.0, 4.0: 3.0}, slo_s=2.0) == 2.0
+    assert sweep.goodput({1.0: 0.5, 2.0: 3.0, 4.0: 1.0}, slo_s=2.0) == 1.0  # no comeback
+    assert sweep.goodput({1.0: 5.0}, slo_s=2.0) == 0.0
+    assert sweep.goodput({1.0: 0.5, 2.0: math.nan}, slo_s=2.0) == 1.0  # all failed: not good
+
+
+@pytest.mark.slow
+def test_tiny_sweep_writes_table_plots_and_goodput(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    sweep.configure(parser)
+    args = parser.parse_args([
+        "--num-requests", "16", "--loads", "1,4", "--policies", "round_robin,cache_aware",
+        "--workers", "2", "--sim-speedup", "20", "--max-input-tokens", "2048",
+        "--max-tokens-cap", "4", "--out", str(tmp_path / "sweep"), "--no-progress",
+    ])  # fmt: skip
+    assert sweep.run(args) == 0
+    data = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    assert [(row["load"], row["policy"]) for row in data["rows"]] == [
+        (1.0, "round_robin"), (1.0, "cache_aware"), (4.0, "round_robin"), (4.0, "cache_aware"),
+    ]  # fmt: skip
+    assert all(row["num_failed"] == 0 and row["num_requests"] == 16 for row in data["rows"])
+    assert set(data["goodput"]) == {"round_robin", "cache_aware"}
+    markdown = (tmp_path / "sweep" / "sweep.md").read_text()
+    assert "| policy | goodput" in markdown
+    for name in ("ttft_vs_load.png", "hit_ratio_vs_load.png"):
+        assert (tmp_path / "sweep" / name).stat().st_size > 10_000
