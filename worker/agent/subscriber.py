@@ -52,7 +52,9 @@ class EngineSubscriber:
         self._zmq_endpoint = zmq_endpoint
         self._replay_endpoint = replay_endpoint
         self._topic = topic
-        self._context = zmq.asyncio.Context()
+        # NOTE: the process-wide context: many agents in one process (a simulated fleet)
+        # share its I/O thread instead of one each. Never terminated here.
+        self._context = zmq.asyncio.Context.instance()
         self._last_engine_seq: int | None = None  # last engine seq applied this epoch
         # engine seq -> hash of its payload, to tell replay duplicates from a restart
         self._engine_seq_to_digest: OrderedDict[int, int] = OrderedDict()
@@ -75,7 +77,6 @@ class EngineSubscriber:
                     await asyncio.sleep(POLL_INTERVAL_MS / 1000)
         finally:
             sub.close(linger=0)
-            self._context.term()
 
     async def _step(self, sub: zmq.asyncio.Socket) -> None:
         state = self._state
