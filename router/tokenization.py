@@ -231,6 +231,7 @@ class ModelTokenizer:
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
         documents: list[dict[str, str]] | None = None,
+        reasoning_effort: str | None = None,
         **template_kwargs: Any,
     ) -> list[int]:
         """Token ids of a ``/v1/chat/completions`` request, with vLLM's defaults."""
@@ -240,6 +241,7 @@ class ModelTokenizer:
             tools=tools,
             continue_final_message=continue_final_message,
             documents=documents,
+            reasoning_effort=reasoning_effort,
             **template_kwargs,
         )
         return self.encode(rendered, add_special_tokens=add_special_tokens)
@@ -252,6 +254,7 @@ class ModelTokenizer:
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
         documents: list[dict[str, str]] | None = None,
+        reasoning_effort: str | None = None,
         **template_kwargs: Any,
     ) -> str:
         """The chat template's text for ``messages`` (what is then encoded)."""
@@ -271,7 +274,12 @@ class ModelTokenizer:
         final_text = ""
         if continue_final_message:
             conversation, final_text = _tag_final_message(conversation)
-        variables = {**self.special_tokens, **template_kwargs}
+        # NOTE: vLLM always passes reasoning_effort (None by default) and turns it into
+        # enable_thinking unless the request's chat_template_kwargs set that.
+        variables: dict[str, Any] = {**self.special_tokens, "reasoning_effort": reasoning_effort}
+        if reasoning_effort is not None and "enable_thinking" not in template_kwargs:
+            variables["enable_thinking"] = reasoning_effort != "none"
+        variables.update(template_kwargs)
         try:
             rendered = template.compiled.render(
                 messages=conversation,
