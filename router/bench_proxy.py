@@ -177,8 +177,10 @@ async def bench_overhead(num: int) -> dict[str, Any]:
     return results
 
 
-async def closed_loop(base_urls: Sequence[str], concurrency: int, seconds: float) -> float:
-    """Requests/s of ``concurrency`` closed-loop clients spread over ``base_urls``."""
+async def closed_loop(
+    base_urls: Sequence[str], concurrency: int, seconds: float
+) -> tuple[float, int]:
+    """(requests/s, requests) of ``concurrency`` closed-loop clients over ``base_urls``."""
     rng = random.Random(SEED)
     prompts = [random_prompt(rng, 64) for _ in range(256)]
     done = 0
@@ -198,7 +200,7 @@ async def closed_loop(base_urls: Sequence[str], concurrency: int, seconds: float
 
         start = time.monotonic()
         await asyncio.gather(*(client(k) for k in range(concurrency)))
-        return done / (time.monotonic() - start)
+        return done / (time.monotonic() - start), done
 
 
 async def bench_throughput(num_workers: int, concurrency: int, seconds: float) -> dict[str, Any]:
@@ -207,11 +209,15 @@ async def bench_throughput(num_workers: int, concurrency: int, seconds: float) -
             for url in workers:
                 await wait_ok(session, url + "/health")
             await wait_ok(session, base + "/ready")
-        await closed_loop(workers, concurrency, 2.0)  # warm-up
-        direct = await closed_loop(workers, concurrency, seconds)
-        routed = await closed_loop([base], concurrency, seconds)
+        await closed_loop([base], concurrency, 2.0)  # warm-up
+        direct, _ = await closed_loop(workers, concurrency, seconds)
+        cpu_before = cpu_seconds(ROUTER_PIDS[base])
+        routed, num_routed = await closed_loop([base], concurrency, seconds)
+        cpu_per_request = (cpu_seconds(ROUTER_PIDS[base]) - cpu_before) / max(1, num_routed)
     return {"num_workers": num_workers, "concurrency": concurrency, "seconds": seconds,
-            "direct_rps": direct, "router_rps": routed}  # fmt: skip
+            "direct_rps": direct, "router_rps": routed,
+            "router_cpu_ms_per_request": cpu_per_request * 1e3,
+            "router_rps_per_cpu_core": 1 / cpu_per_request if cpu_per_request else 0.0}  # fmt: skip
 
 
 # --- TTFT on real workers ---------------------------------------------------------------

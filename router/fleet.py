@@ -269,7 +269,11 @@ class Fleet:
             "vllm:kv_cache_usage_perc": "kv_usage",
         }
         values: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
+        # NOTE: parse only the lines of interest; the full exposition is large.
+        wanted_lines = "\n".join(
+            line for line in text.splitlines() if line.startswith(tuple(wanted))
+        )
+        for family in text_string_to_metric_families(wanted_lines):
             if family.name in wanted:
                 values[wanted[family.name]] = sum(s.value for s in family.samples)
         self.update_load(WorkerId(worker.spec.worker_id), **values)

@@ -11,6 +11,8 @@ never stale and cost nothing between scrapes.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -131,6 +133,42 @@ class RouterMetrics:
             registry=r,
         )
 
+        self._worker_children: dict[str, WorkerChildren] = {}
+        self._phase_children: dict[str, Any] = {}
+        self._request_children: dict[tuple[str, str, str], Any] = {}
+
+    # NOTE: ``labels()`` costs microseconds (validation, locking); the hot path reuses the
+    # labelled children through these memoising accessors.
+
+    def of_worker(self, worker: str) -> WorkerChildren:
+        children = self._worker_children.get(worker)
+        if children is None:
+            children = self._worker_children[worker] = WorkerChildren(
+                ttft=self.ttft.labels(worker=worker),
+                tpot=self.tpot.labels(worker=worker),
+                e2e=self.e2e.labels(worker=worker),
+                prompt_tokens=self.prompt_tokens.labels(worker=worker),
+                predicted_cached=self.predicted_cached.labels(worker=worker),
+                actual_cached=self.actual_cached.labels(worker=worker),
+                cached_drift=self.cached_drift.labels(worker=worker),
+            )
+        return children
+
+    def observe_phase(self, phase: str, seconds: float) -> None:
+        child = self._phase_children.get(phase)
+        if child is None:
+            child = self._phase_children[phase] = self.decision.labels(phase=phase)
+        child.observe(seconds)
+
+    def count_request(self, policy: str, worker: str, status: str) -> None:
+        key = (policy, worker, status)
+        child = self._request_children.get(key)
+        if child is None:
+            child = self._request_children[key] = self.requests.labels(
+                policy=policy, worker=worker, status=status
+            )
+        child.inc()
+
     def add_fleet_collector(
         self,
         workers: Callable[[], Iterable[WorkerView]],
@@ -142,6 +180,19 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerChildren:
+    """One worker's labelled metric children (see ``RouterMetrics.of_worker``)."""
+
+    ttft: Any
+    tpot: Any
+    e2e: Any
+    prompt_tokens: Any
+    predicted_cached: Any
+    actual_cached: Any
+    cached_drift: Any
 
 
 class _FleetCollector(Collector):

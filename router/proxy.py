@@ -77,7 +77,17 @@ class Proxy:
     hits: HitCounter = field(default_factory=HitCounter)
 
     async def handle(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
-        raw = await request.read()  # aiohttp raises 413 beyond client_max_size
+        try:
+            return await self._handle(request, kind)
+        except ApiError as exc:  # answered by the router itself, no worker involved
+            self.metrics.count_request(self.scheduler.policy.name, "none", str(exc.status))
+            raise
+
+    async def _handle(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise ApiError(413, f"Request body too large: {exc.text}") from None
         parsed = parse_request(kind, raw, request.headers.get(self.config.session_header))
         self._check_model(parsed.model)
         tenant = request.get(TENANT_KEY)
@@ -122,7 +132,7 @@ class Proxy:
             raise ApiError(400, f"Could not tokenize the request: {exc}", param=exc.param) from None
         except Exception as exc:  # template or tokenizer errors on client input
             raise ApiError(400, f"Could not tokenize the request: {exc}") from None
-        self.metrics.decision.labels(phase="tokenize").observe(time.perf_counter() - start)
+        self.metrics.observe_phase("tokenize", time.perf_counter() - start)
         self.metrics.prompt_tokens_hist.observe(len(token_ids))
         salt = body.get("cache_salt")
         return RoutingRequest(
@@ -138,7 +148,7 @@ class Proxy:
         decision = self.scheduler.pick(routing, self.fleet.views(), exclude=exclude)
         if decision is not None:
             for phase, seconds in decision.phase_seconds.items():
-                self.metrics.decision.labels(phase=phase).observe(seconds)
+                self.metrics.observe_phase(phase, seconds)
         return decision
 
     async def _forward_with_retries(
@@ -175,9 +185,6 @@ class Proxy:
             self._finish(attempt, ok=attempt.ok)
             return response
         status = 504 if "timeout" in last_error else 502
-        self.metrics.requests.labels(
-            policy=decision.policy, worker="none", status=str(status)
-        ).inc()
         raise ApiError(
             status, f"No worker could serve the request: {last_error}", code="upstream_unavailable"
         )
@@ -203,9 +210,7 @@ class Proxy:
         worker = decision.worker_id
         cached = attempt.cached_tokens
         if attempt.status is not None:
-            self.metrics.requests.labels(
-                policy=decision.policy, worker=worker, status=str(attempt.status)
-            ).inc()
+            self.metrics.count_request(decision.policy, worker, str(attempt.status))
         if ok:
             self._record_ok(attempt)
         if self.scheduler.on_finish(decision, num_cached_tokens=cached, ok=ok):
@@ -214,23 +219,20 @@ class Proxy:
 
     def _record_ok(self, attempt: Attempt) -> None:
         decision = attempt.decision
-        worker = decision.worker_id
-        m = self.metrics
+        m = self.metrics.of_worker(decision.worker_id)
         if attempt.ttft_s is not None:
-            m.ttft.labels(worker=worker).observe(attempt.ttft_s)
-        m.e2e.labels(worker=worker).observe(attempt.e2e_s)
+            m.ttft.observe(attempt.ttft_s)
+        m.e2e.observe(attempt.e2e_s)
         if attempt.ttft_s is not None and attempt.completion_tokens > 1:
             tpot = (attempt.e2e_s - attempt.ttft_s) / (attempt.completion_tokens - 1)
-            m.tpot.labels(worker=worker).observe(max(0.0, tpot))
+            m.tpot.observe(max(0.0, tpot))
         prompt_tokens = attempt.prompt_tokens or decision.num_prompt_tokens
-        m.prompt_tokens.labels(worker=worker).inc(prompt_tokens)
-        m.predicted_cached.labels(worker=worker).inc(decision.predicted_cached_tokens)
+        m.prompt_tokens.inc(prompt_tokens)
+        m.predicted_cached.inc(decision.predicted_cached_tokens)
         self.hits.prompt_tokens += prompt_tokens
         if attempt.cached_tokens is not None:
-            m.actual_cached.labels(worker=worker).inc(attempt.cached_tokens)
-            m.cached_drift.labels(worker=worker).observe(
-                attempt.cached_tokens - decision.predicted_cached_tokens
-            )
+            m.actual_cached.inc(attempt.cached_tokens)
+            m.cached_drift.observe(attempt.cached_tokens - decision.predicted_cached_tokens)
             self.hits.cached_tokens += attempt.cached_tokens
 
 

@@ -20,6 +20,7 @@ Recovery, weaker than the agent's (a replay buffer that wrapped loses older bloc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import zlib
 from typing import TYPE_CHECKING
@@ -65,6 +66,9 @@ class ZmqSubscription:
         self._seq_to_crc: dict[int, int] = {}  # applied batches, for overlap checks
         self._block_size_known = False
         self._replay_endpoint: str | None = None
+        # NOTE: one lock orders live frames and replay syncs (the reconnect watcher runs
+        # as its own task) so no batch is applied twice or out of order.
+        self._lock = asyncio.Lock()
 
     async def run(self) -> None:
         endpoint, self._replay_endpoint, topic = await self._sources()
@@ -73,24 +77,30 @@ class ZmqSubscription:
         sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
         sub.connect(endpoint)
-        poller = zmq.asyncio.Poller()
-        poller.register(sub, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
+        watcher = asyncio.create_task(self._watch_reconnects(monitor), name="zmq-reconnects")
         try:
-            self._feed.purge()
-            await self._sync_from_replay()
+            async with self._lock:
+                self._feed.purge()
+                await self._sync_from_replay()
             while True:
-                ready = dict(await poller.poll())
-                if monitor in ready:
-                    parse_monitor_message(await monitor.recv_multipart())
-                    self._last_live_seq = None  # a new connection: maybe a new engine
-                    await self._sync_from_replay()
-                if sub in ready:
-                    await self._on_frames(await sub.recv_multipart())
+                frames = await sub.recv_multipart()
+                async with self._lock:
+                    await self._on_frames(frames)
         finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
             sub.disable_monitor()
             monitor.close(linger=0)
             sub.close(linger=0)
+
+    async def _watch_reconnects(self, monitor: zmq.asyncio.Socket) -> None:
+        """Each (re)connection of the SUB socket may mean a new engine: re-sync."""
+        while True:
+            parse_monitor_message(await monitor.recv_multipart())
+            async with self._lock:
+                self._last_live_seq = None
+                await self._sync_from_replay()
 
     # --- live stream --------------------------------------------------------------------
 
