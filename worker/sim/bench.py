@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -52,6 +53,7 @@ class PhaseResult:
     cpu_pct_per_worker: float
     lag_fraction: float
     sim_seconds_per_wall_s: float
+    offered_per_s: float
     requests_per_s: float
     dropped: int
     realtime: bool
@@ -120,9 +122,13 @@ async def scrape(session: aiohttp.ClientSession, port: int) -> dict[str, float]:
     return values
 
 
-async def drive(session: aiohttp.ClientSession, port: int, rate: float, until: float,
-                rng: random.Random, counters: dict[str, int]) -> None:  # fmt: skip
-    """Poisson arrivals at ``rate`` per wall second until ``until``; at most 64 in flight."""
+async def drive(session: aiohttp.ClientSession, port: int, rate: float,
+                window: tuple[float, float, float], rng: random.Random,
+                counters: dict[str, int]) -> None:  # fmt: skip
+    """Poisson arrivals at ``rate`` per wall second from ``start`` until ``until``
+    (``time.time()``); at most 64 in flight (more are counted as dropped). Arrivals
+    after ``measure_from`` are counted as offered."""
+    start, measure_from, until = window
     in_flight: set[asyncio.Task[None]] = set()
     url = f"http://127.0.0.1:{port}/v1/completions"
 
@@ -132,12 +138,14 @@ async def drive(session: aiohttp.ClientSession, port: int, rate: float, until: f
             await response.read()
             counters["done" if response.status == 200 else "failed"] += 1
 
-    next_at = time.monotonic()
+    next_at = start
     while True:
         next_at += rng.expovariate(rate)
         if next_at > until:
             break
-        await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+        if next_at >= measure_from:
+            counters["offered"] += 1
+        await asyncio.sleep(max(0.0, next_at - time.time()))
         if len(in_flight) >= 64:
             counters["dropped"] += 1
             continue
@@ -149,32 +157,69 @@ async def drive(session: aiohttp.ClientSession, port: int, rate: float, until: f
         await asyncio.wait(in_flight, timeout=30)
 
 
+async def drive_ports(
+    ports: list[int], rate: float, window: tuple[float, float, float], seed: int
+) -> dict[str, int]:
+    counters = {"offered": 0, "done": 0, "failed": 0, "dropped": 0}
+    rng = random.Random(seed)
+    timeout = aiohttp.ClientTimeout(total=120)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        await asyncio.gather(*(drive(session, port, rate, window, random.Random(rng.random()),
+                                     counters) for port in ports))  # fmt: skip
+    return counters
+
+
+def driver_process(ports: list[int], rate: float, window: tuple[float, float, float], seed: int,
+                   results: multiprocessing.Queue[dict[str, int]]) -> None:  # fmt: skip
+    """One load-generator process (a single Python client saturates near 200 req/s)."""
+    results.put(asyncio.run(drive_ports(ports, rate, window, seed)))
+
+
 async def run_phase(count: int, speedup: float, args: argparse.Namespace) -> PhaseResult:
     workers = start_workers(count, speedup, args.blocks)
     ports = [port for _, port in workers]
+    context = multiprocessing.get_context("spawn")
+    drivers: list[multiprocessing.process.BaseProcess] = []
+    results: multiprocessing.Queue[dict[str, int]] = context.Queue()
     try:
-        timeout = aiohttp.ClientTimeout(total=60)
-        connector = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
             await wait_healthy(session, ports, timeout=120)
-            rng = random.Random(args.seed)
-            counters = {"done": 0, "failed": 0, "dropped": 0}
-            start = time.monotonic()
-            end = start + args.warmup + args.window
-            load = [asyncio.create_task(drive(session, port, args.rate * speedup, end,
-                                              random.Random(rng.random()), counters))
-                    for port in ports]  # fmt: skip
-            await asyncio.sleep(args.warmup)
+            # drivers need a moment to start (spawn); arrivals begin at ``start``
+            start = time.time() + 3.0
+            measure_from = start + args.warmup
+            end = measure_from + args.window
+            num_drivers = max(1, min(args.drivers, count))
+            for d in range(num_drivers):
+                driver = context.Process(
+                    target=driver_process,
+                    args=(
+                        ports[d::num_drivers],
+                        args.rate * speedup,
+                        (start, measure_from, end),
+                        args.seed + d,
+                        results,
+                    ),
+                )
+                driver.start()
+                drivers.append(driver)
+            await asyncio.sleep(max(0.0, measure_from - time.time()))
             before = [await scrape(session, port) for port in ports]
             cpu_before = [cpu_seconds(p.pid) for p, _ in workers]
-            done_before, wall_before = counters["done"], time.monotonic()
-            await asyncio.sleep(max(0.0, end - time.monotonic()))
+            wall_before = time.monotonic()
+            await asyncio.sleep(max(0.0, end - time.time()))
             after = [await scrape(session, port) for port in ports]
             cpu_after = [cpu_seconds(p.pid) for p, _ in workers]
             wall = time.monotonic() - wall_before
-            done = counters["done"] - done_before
-            await asyncio.gather(*load)
+        counters = {"offered": 0, "done": 0, "failed": 0, "dropped": 0}
+        for _ in drivers:
+            for key, value in results.get(timeout=180).items():
+                counters[key] += value
     finally:
+        for running in drivers:
+            running.join(timeout=30)
+            if running.is_alive():
+                running.kill()
         stop_workers(workers)
 
     def delta(name: str) -> float:
@@ -182,6 +227,7 @@ async def run_phase(count: int, speedup: float, args: argparse.Namespace) -> Pha
         return sum(a.get(name, 0.0) - b.get(name, 0.0) for a, b in pairs) / count
 
     lag = delta("kvroute_sim_lag_seconds_total") / wall
+    done = count * delta("vllm:request_success_total")
     return PhaseResult(
         workers=count,
         speedup=speedup,
@@ -189,6 +235,7 @@ async def run_phase(count: int, speedup: float, args: argparse.Namespace) -> Pha
         cpu_pct_per_worker=100 * (sum(cpu_after) - sum(cpu_before)) / count / wall,
         lag_fraction=lag,
         sim_seconds_per_wall_s=delta("kvroute_sim_simulated_seconds_total") / wall,
+        offered_per_s=counters["offered"] / args.window,
         requests_per_s=done / wall,
         dropped=counters["dropped"] + counters["failed"],
         realtime=lag < REALTIME_LAG_LIMIT,
@@ -197,13 +244,14 @@ async def run_phase(count: int, speedup: float, args: argparse.Namespace) -> Pha
 
 def print_table(results: list[PhaseResult]) -> None:
     header = (f"{'workers':>7} {'speedup':>7} {'steps/s/wkr':>11} {'CPU%/wkr':>8} "
-              f"{'lag %':>6} {'sim s/s':>7} {'req/s':>7} {'dropped':>7} "
+              f"{'lag %':>6} {'sim s/s':>7} {'offered/s':>9} {'req/s':>7} {'dropped':>7} "
               f"{'real-time':>9}")  # fmt: skip
     print(header)
     for r in results:
         print(f"{r.workers:>7} {r.speedup:>7g} {r.steps_per_s_per_worker:>11.0f} "
               f"{r.cpu_pct_per_worker:>8.1f} {100 * r.lag_fraction:>6.1f} "
-              f"{r.sim_seconds_per_wall_s:>7.2f} {r.requests_per_s:>7.1f} {r.dropped:>7} "
+              f"{r.sim_seconds_per_wall_s:>7.2f} {r.offered_per_s:>9.1f} "
+              f"{r.requests_per_s:>7.1f} {r.dropped:>7} "
               f"{'yes' if r.realtime else 'NO':>9}")  # fmt: skip
 
 
@@ -240,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--window", type=float, default=8.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--drivers", type=int, default=4, help="load-generator processes")
     parser.add_argument("--out", default="sim_bench.json")  # fmt: skip
     return asyncio.run(main_async(parser.parse_args(argv)))
 
