@@ -193,3 +193,7 @@ def test_cached_tokens_and_block_events_match_vllm(vllm_run: tuple[list[Any], Ev
     assert any(kind == "removed" for kind, _ in vllm_log.entries)
     assert len(sim_log.entries) == len(vllm_log.entries)
     assert sim_log.entries == vllm_log.entries
+    num_removed = sum(1 for kind, _ in vllm_log.entries if kind == "removed")
+    print(f"fidelity: {len(vllm_usages)} responses with cached_tokens "
+          f"{[cached for _, cached in vllm_usages]}; {len(vllm_log.entries) - num_removed} "
+          f"stored and {num_removed} removed blocks, identical in order")  # fmt: skip
