@@ -76,6 +76,14 @@ class KVCacheManager:
         used when admitting a waiting request): also require room for the whole
         current sequence, not only this chunk.
         """
+        request_id = request.request_id
+        if not num_new_computed_tokens and request_id in self.num_cached_block:
+            # Fast path for a running request (decode or next chunk): same result as
+            # below, without the capacity arithmetic when its blocks already suffice.
+            end = min(request.num_computed_tokens + num_new_tokens, self.max_model_len)
+            if end <= len(self.req_to_blocks[request_id]) * self.block_size:
+                self.cache_blocks(request, min(end, request.num_tokens))
+                return []
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
         total_computed = min(num_local_computed, self.max_model_len)
         free = self.block_pool.num_free_blocks
