@@ -152,8 +152,8 @@ class _RawBatch(msgspec.Struct, array_like=True, gc=False):
 
 _batch_decoder: Final = msgspec.msgpack.Decoder(EventBatch)
 _raw_batch_decoder: Final = msgspec.msgpack.Decoder(_RawBatch)
-_event_decoder: Final = msgspec.msgpack.Decoder(KVEvent)  # type: ignore[arg-type]
-_legacy_event_decoder: Final = msgspec.msgpack.Decoder(_LegacyEvent)  # type: ignore[arg-type]
+_event_decoder: Final = msgspec.msgpack.Decoder(KVEvent)
+_legacy_event_decoder: Final = msgspec.msgpack.Decoder(_LegacyEvent)
 _encoder: Final = msgspec.msgpack.Encoder()
 
 _KNOWN_TAGS: Final = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})

@@ -1,0 +1,142 @@
+"""Value types and per-worker state of the prefix index (see ``kvindex.index``).
+
+Also the snapshot format: plain msgspec structs, versioned, written by
+``PrefixIndex.snapshot`` and read by ``PrefixIndex.restore``. It is a persistence
+format of this package, not a wire protocol with the engine.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Final, Literal
+
+import msgspec
+
+from kvindex.hashing import BlockHash, EngineBlockHash, Namespace
+from kvindex.index_walk import WorkerId
+
+
+class Tier(enum.IntEnum):
+    """Where a worker holds a block; lower is faster."""
+
+    GPU = 0
+    CPU = 1
+    DISK = 2
+
+
+NUM_TIERS: Final = 3
+PREDICTED_LAYER: Final = 3  # index of the predicted layer after the tiers
+INT_OBJECT_BYTES: Final = 32  # a 64-bit int object on CPython
+
+ErrorKind = Literal[
+    "unknown_worker",  # an event or prediction for a worker never added (or removed)
+    "unknown_parent",  # BlockStored whose parent engine hash is not held: cannot re-hash
+    "unknown_block",  # BlockRemoved of an engine hash not held in that tier
+    "unknown_medium",  # a medium string that names no tier
+    "block_size_mismatch",  # event block size differs from the worker's namespace
+    "bad_event",  # token count does not match the blocks, or token ids out of range
+    "hash_conflict",  # an engine hash re-stored with different tokens than before
+]
+
+_MEDIUM_TO_TIER: Final[dict[str | None, Tier]] = {
+    None: Tier.GPU,
+    "GPU": Tier.GPU,
+    "CPU": Tier.CPU,
+    "STORAGE": Tier.DISK,
+    "DISK": Tier.DISK,
+}
+
+
+def tier_of_medium(medium: str | None) -> Tier | None:
+    """The tier an event's ``medium`` names (None -> GPU); None if it names none."""
+    tier = _MEDIUM_TO_TIER.get(medium)
+    if tier is None and medium is not None:
+        tier = _MEDIUM_TO_TIER.get(medium.upper())
+    return tier
+
+
+@dataclass(frozen=True, slots=True)
+class IndexStats:
+    num_blocks: int  # real (worker, tier, block) entries
+    num_distinct_blocks: int  # sum over tiers of distinct blocks held by any worker
+    num_predicted: int  # live (worker, block) predictions
+    num_workers: int
+    bytes_estimate: int  # containers plus key ints; shared mask ints not counted
+    events_applied: int
+    errors_by_kind: dict[str, int]
+
+
+class WorkerState:
+    """One worker's private maps inside ``PrefixIndex`` (which alone mutates them)."""
+
+    __slots__ = (
+        "bit",
+        "block_extra_refs",
+        "engine_extra_copies",
+        "engine_to_block",
+        "namespace",
+        "num_blocks",
+        "predicted_until",
+        "roots",
+        "slot",
+        "worker",
+    )
+
+    def __init__(self, worker: WorkerId, namespace: Namespace, slot: int, bit: int) -> None:
+        self.worker = worker
+        self.namespace = namespace  # base namespace: no LoRA, no salt
+        self.slot = slot
+        self.bit = bit  # 1 << slot, one shared int object
+        # per tier: engine hash -> our hash
+        self.engine_to_block: list[dict[EngineBlockHash, BlockHash]] = [{}, {}, {}]
+        # (tier, engine hash) -> physical copies beyond the first (vLLM duplicates)
+        self.engine_extra_copies: dict[tuple[int, EngineBlockHash], int] = {}
+        # (tier, our hash) -> live engine hashes beyond the first that map to it
+        self.block_extra_refs: dict[tuple[int, BlockHash], int] = {}
+        self.predicted_until: dict[BlockHash, float] = {}
+        self.num_blocks = 0  # distinct (tier, our hash) held real
+        # (lora_name, cache_salt) -> root hash; bounded by MAX_CACHED_ROOTS
+        self.roots: dict[tuple[str | None, str | None], BlockHash] = {}
+
+
+MAX_CACHED_ROOTS: Final = 4096  # per worker (lora, salt) -> root entries kept
+
+
+SNAPSHOT_VERSION: Final = 1
+
+
+class WorkerSnapshot(msgspec.Struct, array_like=True, gc=False):
+    worker: str
+    namespace: tuple[str, str, str, str, str | None, int, str | None]
+    blocks: list[tuple[int, int, int, int]]  # (tier, engine hash, our hash, copies)
+    predicted: list[tuple[int, float]]  # (our hash, until)
+
+
+class IndexSnapshot(msgspec.Struct, array_like=True, gc=False):
+    version: int
+    now: float
+    events_applied: int
+    errors_by_kind: dict[str, int]
+    workers: list[WorkerSnapshot]
+
+
+def namespace_fields(
+    ns: Namespace,
+) -> tuple[str, str, str, str, str | None, int, str | None]:
+    return (
+        ns.model,
+        ns.model_revision,
+        ns.tokenizer_fingerprint,
+        ns.chat_template_fingerprint,
+        ns.lora_name,
+        ns.block_size,
+        ns.cache_salt,
+    )
+
+
+def namespace_from_fields(
+    fields: tuple[str, str, str, str, str | None, int, str | None],
+) -> Namespace:
+    model, revision, tokenizer, template, lora_name, block_size, cache_salt = fields
+    return Namespace(model, revision, tokenizer, template, lora_name, block_size, cache_salt)
