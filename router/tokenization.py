@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from copy import deepcopy
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -44,26 +43,22 @@ import jinja2.sandbox
 from tokenizers import Tokenizer
 
 from kvindex.hashing import Namespace, fingerprint
+from router.chat_messages import (
+    ContentFormat,
+    TokenizationError,
+    consolidate_system,
+    cut_after_final_message,
+    developer_to_system,
+    parse_messages,
+    tag_final_message,
+)
 
-ContentFormat = Literal["string", "openai"]
+__all__ = ["ModelTokenizer", "TokenizationError"]
+
 
 _SPECIAL_TOKEN_ATTRIBUTES = (
     "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"
 )  # fmt: skip
-_TEXT_PART_KEYS = {
-    "text": "text", "input_text": "text", "output_text": "text",
-    "refusal": "refusal", "thinking": "thinking",
-}  # fmt: skip
-_BILLING_HEADER = "x-anthropic-billing-header"  # stripped from system text by vLLM
-_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
-
-
-class TokenizationError(ValueError):
-    """A request the tokenizer cannot turn into tokens; ``param`` names the field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -266,14 +261,14 @@ class ModelTokenizer:
                 "continue_final_message and add_generation_prompt are not compatible",
                 "continue_final_message",
             )
-        conversation = _parse_messages(messages, template.content_format)
+        conversation = parse_messages(messages, template.content_format)
         if not conversation:
             raise TokenizationError("messages must not be empty", "messages")
         if not template.supports_developer and any(m["role"] == "developer" for m in conversation):
-            conversation = _consolidate_system(_developer_to_system(conversation))
+            conversation = consolidate_system(developer_to_system(conversation))
         final_text = ""
         if continue_final_message:
-            conversation, final_text = _tag_final_message(conversation)
+            conversation, final_text = tag_final_message(conversation)
         # NOTE: vLLM always passes reasoning_effort (None by default) and turns it into
         # enable_thinking unless the request's chat_template_kwargs set that.
         variables: dict[str, Any] = {**self.special_tokens, "reasoning_effort": reasoning_effort}
@@ -293,7 +288,7 @@ class ModelTokenizer:
                 f"chat template rejected the request: {exc}", "messages"
             ) from exc
         if continue_final_message:
-            rendered = _cut_after_final_message(rendered, final_text)
+            rendered = cut_after_final_message(rendered, final_text)
         return rendered
 
 
@@ -327,157 +322,3 @@ def _make_template(source: str, content_format: ContentFormat | None) -> _ChatTe
         content_format=content_format or detected,
         supports_developer='"developer"' in source or "'developer'" in source,
     )
-
-
-# -- message parsing (vLLM's rules) ---------------------------------------------------------
-
-
-def _parse_messages(
-    messages: list[dict[str, Any]], content_format: ContentFormat
-) -> list[dict[str, Any]]:
-    if not isinstance(messages, list):
-        raise TokenizationError("messages must be a list", "messages")
-    return [_parse_message(m, content_format) for m in messages]
-
-
-def _parse_message(message: object, content_format: ContentFormat) -> dict[str, Any]:
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise TokenizationError("each message must be an object with a string role", "messages")
-    role: str = message["role"]
-    texts = _text_parts(message.get("content"))
-    if role == "system":
-        texts = _strip_billing_header(texts)
-    result: dict[str, Any] = {"role": role}
-    if content_format == "openai":
-        result["content"] = [{"type": "text", "text": t} for t in texts]
-    else:
-        result["content"] = "\n".join(texts)
-    if role == "assistant":
-        if message.get("tool_calls") is not None:
-            result["tool_calls"] = _tool_calls(deepcopy(list(message["tool_calls"])))
-        if message.get("reasoning") is not None:
-            result["reasoning"] = result["reasoning_content"] = message["reasoning"]
-    elif role == "tool":
-        if "tool_call_id" in message:
-            result["tool_call_id"] = message["tool_call_id"]
-        if content_format == "openai":
-            result["content"] = "\n".join(texts)
-    for key in ("name", "task"):
-        if isinstance(message.get(key), str):
-            result[key] = message[key]
-    if role == "developer":
-        result["tools"] = message.get("tools")
-    return result
-
-
-def _text_parts(content: object) -> list[str]:
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [content]
-    if not isinstance(content, list):
-        raise TokenizationError("message content must be a string or a list of parts", "messages")
-    texts = []
-    for part in content:
-        if isinstance(part, str):
-            texts.append(part)
-            continue
-        part_type = part.get("type") if isinstance(part, dict) else None
-        key = _TEXT_PART_KEYS.get(part_type) if isinstance(part_type, str) else None
-        if key is None:
-            raise TokenizationError(
-                f"unsupported content part type {part_type!r}: only text parts are routed",
-                "messages",
-            )
-        text = part.get(key)
-        if text is not None:
-            texts.append(str(text))
-    return texts
-
-
-def _strip_billing_header(texts: list[str]) -> list[str]:
-    out = []
-    for text in texts:
-        if not text.startswith(_BILLING_HEADER):
-            out.append(text)
-        elif rest := text.partition("\n")[2]:
-            out.append(rest)
-    return out
-
-
-def _tool_calls(tool_calls: list[Any]) -> list[Any]:
-    """Arguments as dicts, as vLLM hands them to templates."""
-    for item in tool_calls:
-        function = item.get("function") if isinstance(item, dict) else None
-        if not isinstance(function, dict):
-            raise TokenizationError("assistant tool_calls entries must be objects", "tool_calls")
-        arguments = function.get("arguments")
-        if not arguments:
-            function["arguments"] = {}
-        elif not isinstance(arguments, dict):
-            try:
-                parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
-            except json.JSONDecodeError:
-                parsed = None
-            function["arguments"] = parsed if isinstance(parsed, dict) else {}
-    return tool_calls
-
-
-def _developer_to_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
-    for message in conversation:
-        if message["role"] == "developer":
-            message = {k: v for k, v in message.items() if k != "tools"}
-            message["role"] = "system"
-        out.append(message)
-    return out
-
-
-def _consolidate_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    system_texts: list[str] = []
-    others = []
-    needs_merge = False
-    for i, message in enumerate(conversation):
-        if message["role"] != "system":
-            others.append(message)
-            continue
-        needs_merge = needs_merge or i > 0 or bool(system_texts)
-        content = message.get("content", "")
-        if isinstance(content, list):
-            content = "\n".join(p["text"] if isinstance(p, dict) else str(p) for p in content)
-        if content:
-            system_texts.append(content)
-    if not needs_merge:
-        return conversation
-    return [{"role": "system", "content": "\n\n".join(system_texts)}, *others]
-
-
-def _tag_final_message(conversation: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
-    conversation = deepcopy(conversation)
-    final = conversation[-1]
-    content = final.get("content")
-    if isinstance(content, list):
-        for block in reversed(content):
-            if "text" in block:
-                text = str(block["text"])
-                block["text"] = text + _CONTINUE_TAG
-                return conversation, text
-        raise TokenizationError("continue_final_message: no text in the final message", "messages")
-    if content is None:
-        raise TokenizationError(
-            "continue_final_message: the final message has no content", "messages"
-        )
-    final["content"] = str(content) + _CONTINUE_TAG
-    return conversation, str(content)
-
-
-def _cut_after_final_message(rendered: str, final_text: str) -> str:
-    tag = _CONTINUE_TAG.strip()
-    if final_text.strip() not in rendered or tag not in rendered:
-        raise TokenizationError(
-            "continue_final_message: the template drops part of the final message", "messages"
-        )
-    location = rendered.rindex(tag)
-    if rendered[location : location + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
-        return rendered[:location]
-    return rendered[:location].rstrip()
