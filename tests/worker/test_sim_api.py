@@ -179,20 +179,26 @@ def test_errors_have_vllm_status_and_shape(
     assert got["error"]["message"]
 
 
-def test_client_disconnect_aborts_and_frees_blocks() -> None:
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_and_frees_blocks(stream: bool) -> None:
     with running_sim(speedup=1.0) as sim:  # real time: 900 tokens take ~7 s
-        body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 900, "stream": True})
+        body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 900, "stream": stream})
         request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
                    f"{body}").encode()  # fmt: skip
         with socket.create_connection(("127.0.0.1", sim.port), timeout=30) as conn:
             conn.sendall(request)
-            received = b""
-            while b"data: " not in received:
-                chunk = conn.recv(4096)
-                assert chunk, "connection closed before the first token"
-                received += chunk
-            assert sim.state.scheduler.running  # streaming, blocks held
+            if stream:
+                received = b""
+                while b"data: " not in received:
+                    chunk = conn.recv(4096)
+                    assert chunk, "connection closed before the first token"
+                    received += chunk
+            else:
+                deadline = time.monotonic() + 20
+                while not sim.state.scheduler.running and time.monotonic() < deadline:
+                    time.sleep(0.02)
+            assert sim.state.scheduler.running  # generating, blocks held
             assert sim.state.scheduler.kv.usage() > 0
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and sim.state.scheduler.requests:

@@ -169,12 +169,16 @@ async def respond_full(ctx: ServingContext, job: _Job, http_request: web.Request
     remaining = len(job.streams)
     try:
         while remaining:
-            try:
-                index, token = await asyncio.wait_for(job.queue.get(), _DISCONNECT_POLL_S)
-            except TimeoutError:
-                if _client_gone(http_request):
-                    raise asyncio.CancelledError from None
-                continue
+            if _client_gone(http_request):
+                # Nobody to answer: the finally clause aborts the requests.
+                return web.Response(status=499)
+            if not job.queue.empty():
+                index, token = job.queue.get_nowait()
+            else:
+                try:
+                    index, token = await asyncio.wait_for(job.queue.get(), _DISCONNECT_POLL_S)
+                except TimeoutError:
+                    continue
             if token is None:
                 remaining -= 1
             else:
