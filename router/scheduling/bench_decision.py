@@ -55,6 +55,9 @@ class SimClock:
         return self.now
 
 
+CLOCK = SimClock()
+
+
 def build_fleet(args: argparse.Namespace, rng: random.Random) -> tuple[
     PrefixIndex, list[WorkerView], list[list[int]]
 ]:  # fmt: skip
@@ -129,7 +132,7 @@ def summary(values: list[float]) -> dict[str, float]:
 def bench_scheduler(
     index: PrefixIndex, workers: list[WorkerView], queries: list[list[int]], policy: str, n: int
 ) -> dict[str, list[float]]:
-    clock = SimClock()
+    clock = CLOCK  # shared: the index never sees time go backwards between runs
     scheduler = Scheduler(index, create_policy(policy), clock=clock, rng=random.Random(1))
 
     def one(i: int) -> dict[str, float]:

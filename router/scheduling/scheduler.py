@@ -204,8 +204,12 @@ class Scheduler:
             num_running_at_pick=decode_batch(load),
             load=load,
         )
-        if hashes:
-            self.index.predict(chosen.worker_id, hashes, self.prediction_ttl_s, now)
+        # Blocks of the leading run the worker really holds need no prediction; skipping
+        # them makes a cache hit's commit cheaper (predicted ones are renewed).
+        start = overlap.num_blocks if overlap is not None and not overlap.num_predicted else 0
+        if len(hashes) > start and self.prediction_ttl_s > 0:
+            suffix = hashes[start:] if start else hashes
+            self.index.predict(chosen.worker_id, suffix, self.prediction_ttl_s, now)
         load.num_inflight += 1
         load.inflight_prefill_tokens += uncached
         return decision
