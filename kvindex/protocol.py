@@ -180,11 +180,24 @@ def _from_legacy(event: _LegacyEvent) -> KVEvent:
     return AllBlocksCleared()
 
 
-def _schema_error(exc: msgspec.ValidationError, where: str) -> EventDecodeError:
-    message = str(exc)
-    if "Invalid value" in message and "tag" in message.lower():
-        return EventDecodeError("unknown_event", f"{where}: {message}")
-    return EventDecodeError("schema", f"{where}: {message}")
+def _tag_of(raw: msgspec.Raw) -> object:
+    """The event's tag (``type`` of a map, first item of an array), or None."""
+    try:
+        value = msgspec.msgpack.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(value, dict):
+        return value.get("type")
+    if isinstance(value, list) and value:
+        return value[0]
+    return None
+
+
+def _schema_error(exc: msgspec.ValidationError, raw: msgspec.Raw, where: str) -> EventDecodeError:
+    tag = _tag_of(raw)
+    if not (isinstance(tag, str) and tag in _KNOWN_TAGS):
+        return EventDecodeError("unknown_event", f"{where}: tag {tag!r}: {exc}")
+    return EventDecodeError("schema", f"{where}: {exc}")
 
 
 def _decode_event(raw: msgspec.Raw, index: int) -> KVEvent:
@@ -194,7 +207,7 @@ def _decode_event(raw: msgspec.Raw, index: int) -> KVEvent:
             return _from_legacy(_legacy_event_decoder.decode(raw))
         return _event_decoder.decode(raw)
     except msgspec.ValidationError as exc:
-        raise _schema_error(exc, where) from None
+        raise _schema_error(exc, raw, where) from None
     except msgspec.DecodeError as exc:
         raise EventDecodeError("msgpack", f"{where}: {exc}") from None
 
