@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from kvindex.index import Overlap
 from router.scheduling.cost_model import TierCosts, effective_uncached_tokens, expected_ttft
 from router.scheduling.policy import (
     BasePolicy,
@@ -36,7 +37,7 @@ from router.scheduling.policy import (
     PolicySpec,
     argmin_random_tie,
 )
-from router.scheduling.types import WorkerView
+from router.scheduling.types import WorkerId, WorkerView
 
 
 class CacheAwarePolicy(BasePolicy):
@@ -59,8 +60,6 @@ class CacheAwarePolicy(BasePolicy):
 
     def choose(self, ctx: PickContext) -> WorkerView:
         candidates = ctx.candidates
-        for worker in candidates:
-            ctx.overlaps(worker)  # hash + lookup once per namespace, timed by phase
         scores = self.expected_ttfts(ctx)
         if self.temperature > 0 and len(candidates) > 1:
             return self._sample(ctx, scores)
@@ -73,8 +72,13 @@ class CacheAwarePolicy(BasePolicy):
         costs = self.costs
         weight = self.added_work_weight
         scores = []
+        root_to_overlaps: dict[int, dict[WorkerId, Overlap]] = {}  # one lookup per namespace
         for worker in ctx.candidates:
-            overlap = ctx.overlaps(worker).get(worker.worker_id)
+            root = worker.namespace.root
+            overlaps = root_to_overlaps.get(root)
+            if overlaps is None:
+                overlaps = root_to_overlaps[root] = ctx.overlaps(worker)
+            overlap = overlaps.get(worker.worker_id)
             uncached = (
                 float(num_prompt_tokens)
                 if overlap is None
