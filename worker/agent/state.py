@@ -58,6 +58,7 @@ class AgentState:
         self.block_size: int | None = None
         self.num_gpu_blocks: int | None = None
         self._changed = asyncio.Event()
+        self._snapshot_cache: tuple[tuple[Epoch, StreamSeq], bytes] | None = None
 
     # --- readers ---------------------------------------------------------------------
 
@@ -73,6 +74,14 @@ class AgentState:
             events=self.block_set.snapshot_events(),
             num_blocks=len(self.block_set),
         )
+
+    def snapshot_frame(self) -> bytes:
+        """``build_snapshot()`` framed, built once per cursor (routers that connect
+        together, e.g. after an engine restart, share one build)."""
+        cursor = (self.epoch, self.seq)
+        if self._snapshot_cache is None or self._snapshot_cache[0] != cursor:
+            self._snapshot_cache = (cursor, encode_message(self.build_snapshot()))
+        return self._snapshot_cache[1]
 
     def frames_after(self, epoch: Epoch, seq: StreamSeq) -> list[bytes] | None:
         """Framed batches following cursor ``(epoch, seq)``; None: a snapshot is needed.

@@ -77,7 +77,7 @@ class StreamHandler:
             chunks: list[bytes] = []
             frames = None if cursor is None else state.frames_after(*cursor)
             if frames is None:
-                chunks.append(encode_message(state.build_snapshot()))
+                chunks.append(state.snapshot_frame())
                 self._metrics.snapshots_served.inc()
             else:
                 chunks.extend(frames)
