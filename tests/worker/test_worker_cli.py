@@ -295,7 +295,10 @@ def _check_worker_serves(worker: WorkerProcess, ports: list[str], timeout: float
     assert _cached_tokens(engine_url, "kvroute-tiny", prompt) == 0
     assert _cached_tokens(engine_url, "kvroute-tiny", prompt) == 96
     _poll_ready(agent_url, timeout=60)
-    info = _get(f"{agent_url}/v1/info")
+    # The agent reads the engine's models on its own poll, possibly just after /ready.
+    deadline = time.monotonic() + 30
+    while not (info := _get(f"{agent_url}/v1/info"))["models"] and time.monotonic() < deadline:
+        time.sleep(0.2)  # poll interval
     assert info["models"] == ["kvroute-tiny"] and info["block_size"] == 32
 
 
