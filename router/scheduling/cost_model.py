@@ -65,6 +65,8 @@ def effective_uncached_tokens(
     if overlap is None or overlap.num_blocks == 0:
         return float(num_prompt_tokens)
     hit = hit_tokens(overlap.num_blocks, block_size, num_prompt_tokens)
+    if overlap.num_gpu == overlap.num_blocks:  # the common case: all on GPU, no surcharge
+        return float(num_prompt_tokens - hit)
     hit_blocks = hit // block_size
     # The hit cap trims the run's tail; charge the trimmed blocks' tiers from the end.
     num_cpu, num_disk, num_predicted = overlap.num_cpu, overlap.num_disk, overlap.num_predicted
