@@ -70,23 +70,27 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_workers(
-    count: int, speedup: float, blocks: int
-) -> list[tuple[subprocess.Popen[bytes], int]]:
-    workers = []
-    for _ in range(count):
-        port = free_port()
-        command = [sys.executable, "-m", "worker.sim", "--model", str(model_dir("tiny")),
-                   "--port", str(port), "--zmq-port", "0", "--replay-port", "0",
-                   "--zmq-host", "127.0.0.1", "--num-gpu-blocks", str(blocks),
-                   "--speedup", str(speedup)]  # fmt: skip
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                   start_new_session=True)  # fmt: skip
-        workers.append((process, port))
-    return workers
+Worker = tuple[subprocess.Popen[bytes], int]
 
 
-def stop_workers(workers: list[tuple[subprocess.Popen[bytes], int]]) -> None:
+def start_worker(speedup: float, blocks: int) -> Worker:
+    """One simulator process on free ports (HTTP, events, replay)."""
+    sockets = [socket.socket() for _ in range(3)]
+    for sock in sockets:  # held together, so the three ports differ
+        sock.bind(("127.0.0.1", 0))
+    port, zmq_port, replay_port = (int(sock.getsockname()[1]) for sock in sockets)
+    for sock in sockets:
+        sock.close()
+    command = [sys.executable, "-m", "worker.sim", "--model", str(model_dir("tiny")),
+               "--port", str(port), "--zmq-port", str(zmq_port),
+               "--replay-port", str(replay_port), "--zmq-host", "127.0.0.1",
+               "--num-gpu-blocks", str(blocks), "--speedup", str(speedup)]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)  # fmt: skip
+    return process, port
+
+
+def stop_workers(workers: list[Worker]) -> None:
     for process, _ in workers:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGTERM)
@@ -98,10 +102,22 @@ def stop_workers(workers: list[tuple[subprocess.Popen[bytes], int]]) -> None:
             process.wait(timeout=5)
 
 
-async def wait_healthy(session: aiohttp.ClientSession, ports: list[int], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    for port in ports:
+async def wait_healthy(
+    session: aiohttp.ClientSession, workers: list[Worker], speedup: float, blocks: int
+) -> None:
+    """Wait for every worker; one that died at startup (a port taken between choosing
+    and binding it) is replaced, at most 3 times in all."""
+    deadline = time.monotonic() + 120
+    restarts = 0
+    for index in range(len(workers)):
         while True:
+            process, port = workers[index]
+            if process.poll() is not None:
+                restarts += 1
+                if restarts > 3:
+                    raise RuntimeError("simulator processes keep dying at startup")
+                workers[index] = start_worker(speedup, blocks)
+                continue
             try:
                 async with session.get(f"http://127.0.0.1:{port}/health") as response:
                     if response.status == 200:
@@ -177,14 +193,14 @@ def driver_process(ports: list[int], rate: float, window: tuple[float, float, fl
 
 
 async def run_phase(count: int, speedup: float, args: argparse.Namespace) -> PhaseResult:
-    workers = start_workers(count, speedup, args.blocks)
-    ports = [port for _, port in workers]
+    workers = [start_worker(speedup, args.blocks) for _ in range(count)]
     context = multiprocessing.get_context("spawn")
     drivers: list[multiprocessing.process.BaseProcess] = []
     results: multiprocessing.Queue[dict[str, int]] = context.Queue()
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-            await wait_healthy(session, ports, timeout=120)
+            await wait_healthy(session, workers, speedup, args.blocks)
+            ports = [port for _, port in workers]
             # drivers need a moment to start (spawn); arrivals begin at ``start``
             start = time.time() + 3.0
             measure_from = start + args.warmup
