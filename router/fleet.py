@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+PROVISIONAL_BLOCK_SIZE = 16  # vLLM's GPU default; only until the worker tells
+
 
 class TokenizerRegistry:
     """Model name -> its ``ModelTokenizer``, loaded once on first use.
@@ -150,7 +152,8 @@ class Fleet:
             callback(worker_id)
 
     def set_block_size(self, worker_id: WorkerId, block_size: int) -> None:
-        """A direct-ZMQ subscription learnt the block size from the first event."""
+        """The worker's events say its block size; re-register it if it differs (which
+        drops what the index held for it under the old size)."""
         worker = self.workers.get(worker_id)
         if worker is not None and worker.view.namespace.block_size != block_size:
             worker.view.namespace = _with_block_size(worker.view.namespace, block_size)
@@ -253,7 +256,15 @@ class Fleet:
                         return int(sample.labels["block_size"])
         if self._config.block_size is not None:
             return self._config.block_size
-        raise ValueError("block size unknown (no agent info, no vLLM metric, no --block-size)")
+        # NOTE: routable anyway with a provisional size; the first stored block's size
+        # replaces it (``set_block_size``). Until then no prediction can match, which
+        # only costs cache hits, never correctness.
+        log.warning(
+            "worker %s: block size unknown until its first KV event (using %d)",
+            worker.spec.worker_id,
+            PROVISIONAL_BLOCK_SIZE,
+        )
+        return PROVISIONAL_BLOCK_SIZE
 
     async def _scrape_load(
         self, session: aiohttp.ClientSession, worker: FleetWorker, timeout: aiohttp.ClientTimeout
@@ -284,7 +295,7 @@ class Fleet:
         view = WorkerView(
             worker_id=worker_id,
             url=spec.url,
-            namespace=Namespace(model="", block_size=self._config.block_size or 16),
+            namespace=Namespace(model="", block_size=PROVISIONAL_BLOCK_SIZE),
             healthy=False,
             models=frozenset(),
             loras=frozenset(),

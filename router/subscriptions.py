@@ -52,8 +52,11 @@ class IndexFeed:
         self._metrics = metrics
         self._events_applied = metrics.events_applied.labels(worker=worker_id)
         self.num_snapshots = 0  # snapshots applied (each one a resync)
+        self._block_size_confirmed = False  # an event has shown the engine's block size
 
     def on_snapshot(self, epoch: Epoch, seq: StreamSeq, events: Sequence[BlockStored]) -> None:
+        if events and not self._block_size_confirmed:
+            self._confirm_block_size(events[0].block_size)
         now = time.monotonic()
         self._index.clear_worker(self.worker_id)
         for event in events:
@@ -84,6 +87,11 @@ class IndexFeed:
         log.info("worker %s: event stream disconnected", self.worker_id)
 
     def apply_batch(self, batch: EventBatch) -> None:
+        if not self._block_size_confirmed:
+            for event in batch.events:
+                if isinstance(event, BlockStored):
+                    self._confirm_block_size(event.block_size)
+                    break
         self._index.apply_batch(self.worker_id, batch, time.monotonic())
         self._events_applied.inc(len(batch.events))
         if batch.ts > 0:
@@ -91,6 +99,11 @@ class IndexFeed:
 
     def purge(self) -> None:
         self._index.clear_worker(self.worker_id)
+
+    def _confirm_block_size(self, block_size: int) -> None:
+        """The first stored block tells the worker's real block size (see fleet)."""
+        self._fleet.set_block_size(self.worker_id, block_size)
+        self._block_size_confirmed = True
 
 
 class SubscriptionManager:

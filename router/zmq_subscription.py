@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvindex.protocol import SEQ_END_MARKER, BlockStored, EventBatch, EventDecodeError, decode_frame
+from kvindex.protocol import SEQ_END_MARKER, EventBatch, EventDecodeError, decode_frame
 
 if TYPE_CHECKING:
     from router.fleet import Fleet, FleetWorker
@@ -64,7 +64,6 @@ class ZmqSubscription:
         self._last_seq: int | None = None  # seq of the last batch applied (live or replay)
         self._last_live_seq: int | None = None  # seq of the last live (SUB) message
         self._seq_to_crc: dict[int, int] = {}  # applied batches, for overlap checks
-        self._block_size_known = False
         self._replay_endpoint: str | None = None
         # NOTE: one lock orders live frames and replay syncs (the reconnect watcher runs
         # as its own task) so no batch is applied twice or out of order.
@@ -179,12 +178,6 @@ class ZmqSubscription:
     # --- internal updates -----------------------------------------------------------------
 
     def _apply(self, seq: int, crc: int, batch: EventBatch) -> None:
-        if not self._block_size_known:
-            for event in batch.events:
-                if isinstance(event, BlockStored):
-                    self._fleet.set_block_size(self._feed.worker_id, event.block_size)
-                    self._block_size_known = True
-                    break
         self._feed.apply_batch(batch)
         self._last_seq = seq
         self._seq_to_crc[seq] = crc

@@ -11,8 +11,9 @@ from collections.abc import Callable
 import aiohttp
 from aiohttp import web
 
-from router.app import INDEX
+from router.app import FLEET, INDEX
 from router.config import RouterConfig, WorkerSpec
+from router.fleet import PROVISIONAL_BLOCK_SIZE
 from tests.router.fakes import run, running_router
 from tests.router.simfleet import BLOCK_SIZE
 from worker.models import model_dir
@@ -73,6 +74,26 @@ def test_late_join_bootstraps_from_replay_and_seq_reset_purges_the_worker() -> N
                     await _complete(session, url, PROMPT_B)
                     blocks_b = len(PROMPT_B) // BLOCK_SIZE
                     await _until(lambda: index.num_blocks_of(engine_url) == blocks_b)
+        finally:
+            await sim.cleanup()
+
+    run(main())
+
+
+def test_block_size_unknown_at_probe_is_learnt_from_the_first_event() -> None:
+    async def main() -> None:
+        ports = (_free_port(), _free_port(), _free_port())
+        engine_url = f"http://127.0.0.1:{ports[0]}"
+        sim = await _start_sim(*ports)  # the simulator exports no cache_config_info
+        try:
+            config = RouterConfig(port=0, workers=[WorkerSpec(engine_url)])  # no --block-size
+            async with running_router(config) as (app, url), aiohttp.ClientSession() as session:
+                view = app[FLEET].views()[0]
+                assert view.healthy and view.namespace.block_size == PROVISIONAL_BLOCK_SIZE
+                await _complete(session, url, PROMPT_A)
+                await _until(lambda: view.namespace.block_size == BLOCK_SIZE)
+                blocks_a = len(PROMPT_A) // BLOCK_SIZE
+                await _until(lambda: app[INDEX].num_blocks_of(engine_url) == blocks_a)
         finally:
             await sim.cleanup()
 
