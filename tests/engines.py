@@ -258,13 +258,24 @@ def post_json(url: str, body: object | None = None, timeout: float = 60.0) -> ob
     return json.loads(raw) if raw.strip() else ""
 
 
-def reset_prefix_cache(server: VllmServer) -> None:
-    """Drop every cached block of ``server`` (emits ``AllBlocksCleared``).
+def reset_prefix_cache(server: VllmServer, timeout: float = 30.0) -> None:
+    """Drop every cached block of ``server``; raises if vLLM keeps refusing.
 
-    NOTE: vLLM refuses to reset while requests are running; tests call this between
-    requests. Needs ``VLLM_SERVER_DEV_MODE=1``, which every ``VllmServer`` sets.
+    vLLM answers ``{"success": false}`` while blocks are held (running requests, e.g. a
+    stream another test aborted a moment ago), so this retries until ``timeout``.
+    NOTE: the ``AllBlocksCleared`` event is published only with the engine's next step,
+    i.e. with the next request's events, not when this returns; code that mirrors the
+    cache (an index) clears its copy itself. Needs ``VLLM_SERVER_DEV_MODE=1``, which every
+    ``VllmServer`` sets.
     """
-    post_json(f"{server.base_url}/reset_prefix_cache")
+    deadline = time.monotonic() + timeout
+    while True:
+        response = post_json(f"{server.base_url}/reset_prefix_cache")
+        if isinstance(response, dict) and response.get("success") is True:
+            return
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"vLLM on port {server.port} refused to reset: {response!r}")
+        time.sleep(0.2)  # retry interval
 
 
 def start_all(servers: Sequence[VllmServer], timeout: float = STARTUP_TIMEOUT_S) -> None:
