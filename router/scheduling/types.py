@@ -10,17 +10,9 @@ by the fleet from agent load reports or ``/metrics``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NewType
 
 from kvindex.hashing import BlockHash, Namespace
-
-if TYPE_CHECKING:
-    from kvindex.index import WorkerId
-else:
-    try:
-        from kvindex.index import WorkerId
-    except ImportError:  # pragma: no cover - only until kvindex.index lands
-        WorkerId = NewType("WorkerId", str)
+from kvindex.index import WorkerId
 
 __all__ = ["Decision", "RoutingRequest", "WorkerId", "WorkerLoad", "WorkerView"]
 
