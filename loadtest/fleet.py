@@ -304,6 +304,16 @@ class Fleet:
             return [sys.executable, "-m", "worker.sim", *common, *self.config.worker_args]
         argv = kvroute_command("worker", "--engine", self.config.engine, *common)
         argv += ["--agent-port", str(endpoint.agent_port)]
+        if self.config.engine == "vllm":
+            # NOTE: dev mode serves POST /reset_prefix_cache (the runner clears caches between
+            # policies); on the CPU build each engine gets its own core and 1 GiB of KV.
+            index = self.workers.index(endpoint)
+            argv += [
+                "--dev-mode",
+                "--startup-timeout", str(self.config.startup_timeout_s),
+                "--cpu-kvcache-space", "1",
+                "--cpu-threads-bind", str(index % max(1, os.cpu_count() or 1)),
+            ]  # fmt: skip
         return argv + self.config.worker_args
 
     def _spawn(self, name: str, argv: list[str]) -> Child:
