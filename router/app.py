@@ -155,7 +155,14 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    # NOTE: workers answer plain JSON/SSE; skipping decompression and the default
+    # User-Agent/Accept-Encoding headers trims per-request work on the hot path.
+    async with aiohttp.ClientSession(
+        connector=connector,
+        timeout=timeout,
+        auto_decompress=False,
+        skip_auto_headers=("User-Agent", "Accept-Encoding"),
+    ) as session:
         app[SESSION] = session
         yield
 
