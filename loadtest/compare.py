@@ -22,6 +22,7 @@ from loadtest.fleet import Fleet, FleetConfig, FleetError
 from loadtest.report import PolicyRun, markdown_table, write_report
 from loadtest.stats import summarize
 from loadtest.workloads import WORKLOADS, LoadRequest, build_workload
+from loadtest.workloads.base import params_from_strings
 
 ALL_POLICIES = ("random", "round_robin", "least_load", "session", "approx_prefix", "cache_aware")
 
@@ -204,7 +205,7 @@ def config_from_args(args: argparse.Namespace) -> CompareConfig:
 def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
-        build_workload(config.workload, config.params, seed=config.seed)[:0]  # validate early
+        params_from_strings(WORKLOADS[config.workload].params_type, config.params)  # fail early
         run_comparison(config)
     except (ValueError, OSError, FleetError) as exc:
         print(f"kvroute loadtest: error: {exc}", file=sys.stderr)

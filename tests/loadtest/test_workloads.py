@@ -149,3 +149,14 @@ def test_shapes_of_synthetic_workloads() -> None:
     rag = build_workload("rag", {"num_requests": "300", "num_documents": "50"}, seed=1)
     docs = [r.session_key for r in rag]
     assert docs.count("doc0") > docs.count("doc49")  # Zipf: rank 1 most popular
+
+
+def test_loadtest_cli_rejects_bad_workload_parameters_clearly(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from router.cli import main
+
+    assert main(["loadtest", "--workload", "tenants", "--set", "bogus=1"]) == 2
+    assert "unknown parameter(s) ['bogus']" in capsys.readouterr().err
+    assert main(["loadtest", "--set", "no_equals_sign"]) == 2
+    assert "KEY=VALUE" in capsys.readouterr().err
