@@ -13,8 +13,7 @@ from typing import Final, Literal
 
 import msgspec
 
-from kvindex.hashing import BlockHash, EngineBlockHash, Namespace
-from kvindex.index_walk import WorkerId
+from kvindex.hashing import Namespace
 
 
 class Tier(enum.IntEnum):
@@ -65,39 +64,6 @@ class IndexStats:
     bytes_estimate: int  # containers plus key ints; shared mask ints not counted
     events_applied: int
     errors_by_kind: dict[str, int]
-
-
-class WorkerState:
-    """One worker's private maps inside ``PrefixIndex`` (which alone mutates them)."""
-
-    __slots__ = (
-        "bit",
-        "block_extra_refs",
-        "engine_extra_copies",
-        "engine_to_block",
-        "namespace",
-        "num_blocks",
-        "predicted_until",
-        "roots",
-        "slot",
-        "worker",
-    )
-
-    def __init__(self, worker: WorkerId, namespace: Namespace, slot: int, bit: int) -> None:
-        self.worker = worker
-        self.namespace = namespace  # base namespace: no LoRA, no salt
-        self.slot = slot
-        self.bit = bit  # 1 << slot, one shared int object
-        # per tier: engine hash -> our hash
-        self.engine_to_block: list[dict[EngineBlockHash, BlockHash]] = [{}, {}, {}]
-        # (tier, engine hash) -> physical copies beyond the first (vLLM duplicates)
-        self.engine_extra_copies: dict[tuple[int, EngineBlockHash], int] = {}
-        # (tier, our hash) -> live engine hashes beyond the first that map to it
-        self.block_extra_refs: dict[tuple[int, BlockHash], int] = {}
-        self.predicted_until: dict[BlockHash, float] = {}
-        self.num_blocks = 0  # distinct (tier, our hash) held real
-        # (lora_name, cache_salt) -> root hash; bounded by MAX_CACHED_ROOTS
-        self.roots: dict[tuple[str | None, str | None], BlockHash] = {}
 
 
 MAX_CACHED_ROOTS: Final = 4096  # per worker (lora, salt) -> root entries kept
