@@ -121,8 +121,8 @@ class Proxy:
     def _routing_request(self, parsed: ParsedRequest) -> RoutingRequest:
         start = time.perf_counter()
         model = parsed.model
-        is_lora = any(model in w.view.loras for w in self.fleet.workers.values())
-        tokenizer = self.tokenizers.get(model)
+        base_model = self._base_model_of_lora(model)
+        tokenizer = self.tokenizers.get(base_model or model)
         body = parsed.body
         try:
             token_ids = _token_ids(tokenizer, parsed)
@@ -136,13 +136,21 @@ class Proxy:
         self.metrics.prompt_tokens_hist.observe(len(token_ids))
         salt = body.get("cache_salt")
         return RoutingRequest(
-            model=model,
-            lora_name=model if is_lora else None,
+            model=base_model or model,
+            lora_name=model if base_model is not None else None,
             cache_salt=salt if isinstance(salt, str) else None,
             prompt_token_ids=token_ids,
             session_key=parsed.session_key,
             max_tokens=parsed.max_tokens,
         )
+
+    def _base_model_of_lora(self, model: str) -> str | None:
+        """The base model a LoRA adapter runs on (None: ``model`` is not a LoRA)."""
+        for worker in self.fleet.workers.values():
+            view = worker.view
+            if model in view.loras and view.namespace.model:
+                return view.namespace.model
+        return None
 
     def _pick(self, routing: RoutingRequest, exclude: tuple[WorkerId, ...]) -> Decision | None:
         decision = self.scheduler.pick(routing, self.fleet.views(), exclude=exclude)

@@ -35,6 +35,7 @@ class FakeBehaviour:
     num_chunks: int = 3
     delay_s: float = 0.0  # slow_first: before the first chunk
     cached_tokens: int = 0
+    lora: str | None = None  # a LoRA adapter this worker also serves
 
 
 @dataclass
@@ -69,7 +70,10 @@ class FakeWorker:
         return web.json_response({})
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+        data = [{"id": MODEL, "object": "model", "parent": None}]
+        if self.behaviour.lora:
+            data.append({"id": self.behaviour.lora, "object": "model", "parent": MODEL})
+        return web.json_response({"object": "list", "data": data})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         text = f'vllm:cache_config_info{{block_size="{BLOCK_SIZE}"}} 1.0\n'

@@ -70,3 +70,21 @@ def test_tenant_from_the_auth_seam_sets_cache_salt() -> None:
                 await runner.cleanup()
 
     run(main())
+
+
+def test_lora_requests_go_to_a_worker_serving_the_adapter() -> None:
+    async def main() -> None:
+        async with (
+            fake_workers(FakeBehaviour(), FakeBehaviour(lora="sql-lora")) as (plain, with_lora),
+            running_router(router_config([plain, with_lora])) as (_, url),
+            aiohttp.ClientSession() as session,
+        ):
+            async with session.get(url + "/v1/models") as resp:
+                assert {m["id"] for m in (await resp.json())["data"]} == {MODEL, "sql-lora"}
+            for _ in range(4):
+                body = {**BODY, "model": "sql-lora"}
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+            assert len(with_lora.bodies) == 4 and plain.bodies == []
+
+    run(main())
