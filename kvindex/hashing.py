@@ -23,7 +23,7 @@ import array
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import NewType, cast
 
 import mmh3
 
@@ -106,25 +106,26 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
     return tokens.tobytes()
 
 
-def chain_hashes(
-    parent: BlockHash, token_ids: Sequence[int], block_size: int
-) -> list[BlockHash]:
+def chain_hashes(parent: BlockHash, token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
     """Hashes of the full blocks of ``token_ids``, chained from ``parent``.
 
     Cost: one mmh3 call per block plus one copy of the tokens, O(len(token_ids)).
     """
     data = token_bytes(token_ids)
     stride = block_size * _TOKEN_BYTES
-    num_full = len(token_ids) // block_size
-    hashes: list[BlockHash] = []
-    current = parent
+    end = (len(token_ids) // block_size) * stride
+    # NOTE: plain ints in the loop, one cast at the end: calling the NewType per block
+    # costs about a fifth of the time.
+    hashes: list[int] = []
+    append = hashes.append
+    current: int = parent
     hash64 = mmh3.hash64
-    for start in range(0, num_full * stride, stride):
-        current = BlockHash(
-            hash64(current.to_bytes(8, "little") + data[start : start + stride], signed=False)[0]
-        )
-        hashes.append(current)
-    return hashes
+    for start in range(0, end, stride):
+        current = hash64(
+            current.to_bytes(8, "little") + data[start : start + stride], signed=False
+        )[0]
+        append(current)
+    return cast("list[BlockHash]", hashes)
 
 
 def hash_prompt(namespace: Namespace, token_ids: Sequence[int]) -> list[BlockHash]:
