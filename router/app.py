@@ -95,13 +95,17 @@ def create_app(
     app[PROXY] = proxy
     app[DISCOVERY] = discovery or discovery_from_config(config)
     app.cleanup_ctx.extend([_client_session, _subscriptions, _discovery, _health_checker])
+    _add_routes(app)
+    return app
+
+
+def _add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", _metrics)
-    return app
 
 
 # --- handlers ---------------------------------------------------------------------------

@@ -44,6 +44,13 @@ class RouterMetrics:
             ["worker", "reason"],
             registry=r,
         )
+        self._declare_latency_metrics(r)
+        self._declare_fleet_metrics(r)
+        self._worker_children: dict[str, WorkerChildren] = {}
+        self._phase_children: dict[str, Any] = {}
+        self._request_children: dict[tuple[str, str, str], Any] = {}
+
+    def _declare_latency_metrics(self, r: CollectorRegistry) -> None:
         self.ttft = Histogram(
             _PREFIX + "ttft_seconds",
             "Time to first token seen by the router",
@@ -103,6 +110,8 @@ class RouterMetrics:
             buckets=(-4096, -1024, -256, -32, -1, 0, 1, 32, 256, 1024, 4096),
             registry=r,
         )
+
+    def _declare_fleet_metrics(self, r: CollectorRegistry) -> None:
         self.queue_depth = Gauge(
             _PREFIX + "queue_depth",
             "Requests waiting for a worker under its cap",
@@ -132,10 +141,6 @@ class RouterMetrics:
             ["worker", "reason"],
             registry=r,
         )
-
-        self._worker_children: dict[str, WorkerChildren] = {}
-        self._phase_children: dict[str, Any] = {}
-        self._request_children: dict[tuple[str, str, str], Any] = {}
 
     # NOTE: ``labels()`` costs microseconds (validation, locking); the hot path reuses the
     # labelled children through these memoising accessors.

@@ -39,6 +39,7 @@ WORKER_HEADER = "x-kvroute-worker"
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 _BROKEN_STREAM = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ValueError)
 _decoder = msgspec.json.Decoder()
+_CLIENT_GONE = 499  # status recorded when the client closed the connection mid-stream
 
 
 class RetryableError(Exception):
@@ -162,38 +163,50 @@ async def _relay_stream(
     )
     await client.prepare(request)
     attempt.status = 200
-    event: bytes = first
-    done = False
-    error: str | None = None
-    while True:
-        done = done or _handle_event(event, attempt)
-        if _should_forward(event, attempt):
-            try:
-                await client.write(event)
-            except (ConnectionError, RuntimeError):
-                attempt.status = 499  # client closed the connection
-                return client
-        if done:
-            break
-        idle_deadline = min(deadline, time.monotonic() + config.idle_timeout_s)
-        try:
-            event = await _next_event(resp, idle_deadline)
-        except TimeoutError:
-            error = "The worker stopped sending (idle or total timeout)."
-            break
-        except _BROKEN_STREAM as exc:
-            error = f"The worker's stream broke: {exc!r}"
-            break
-        if not event:
-            error = "The worker ended the stream early."
-            break
+    error = await _pump(client, resp, attempt, config, deadline, first)
     attempt.e2e_s = time.perf_counter() - attempt.started
+    if attempt.status == _CLIENT_GONE:
+        return client
     attempt.ok = error is None
     if error is not None:
         attempt.status = 502
         await _write_quietly(client, sse_error_event(error, code="upstream_stream_error"))
     await _write_eof_quietly(client)
     return client
+
+
+async def _pump(
+    client: web.StreamResponse,
+    resp: aiohttp.ClientResponse,
+    attempt: Attempt,
+    config: RouterConfig,
+    deadline: float,
+    event: bytes,
+) -> str | None:
+    """Relay events from ``event`` on until ``[DONE]``; the error that ended it, if any.
+
+    Sets ``attempt.status`` to ``_CLIENT_GONE`` when the client hung up.
+    """
+    done = False
+    while True:
+        done = done or _handle_event(event, attempt)
+        if _should_forward(event, attempt):
+            try:
+                await client.write(event)
+            except (ConnectionError, RuntimeError):
+                attempt.status = _CLIENT_GONE
+                return "client closed the connection"
+        if done:
+            return None
+        idle_deadline = min(deadline, time.monotonic() + config.idle_timeout_s)
+        try:
+            event = await _next_event(resp, idle_deadline)
+        except TimeoutError:
+            return "The worker stopped sending (idle or total timeout)."
+        except _BROKEN_STREAM as exc:
+            return f"The worker's stream broke: {exc!r}"
+        if not event:
+            return "The worker ended the stream early."
 
 
 async def _next_event(resp: aiohttp.ClientResponse, deadline: float) -> bytes:
