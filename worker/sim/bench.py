@@ -33,6 +33,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -174,51 +175,60 @@ async def drive(session: aiohttp.ClientSession, port: int, rate: float,
 
 
 async def drive_ports(
-    ports: list[int], rate: float, window: tuple[float, float, float], seed: int
+    ports: list[int], rate: float, phases: tuple[float, float], seed: int, sync: DriverSync
 ) -> dict[str, int]:
     counters = {"offered": 0, "done": 0, "failed": 0, "dropped": 0}
     rng = random.Random(seed)
     timeout = aiohttp.ClientTimeout(total=120)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        sync.ready.put(1)
+        await asyncio.to_thread(sync.go.wait)
+        start = time.time()
+        window = (start, start + phases[0], start + phases[0] + phases[1])
         await asyncio.gather(*(drive(session, port, rate, window, random.Random(rng.random()),
                                      counters) for port in ports))  # fmt: skip
     return counters
 
 
-def driver_process(ports: list[int], rate: float, window: tuple[float, float, float], seed: int,
-                   results: multiprocessing.Queue[dict[str, int]]) -> None:  # fmt: skip
+@dataclass
+class DriverSync:
+    """Drivers report ready, then all start on ``go`` (spawn takes seconds here)."""
+
+    ready: Any
+    go: Any
+    results: Any
+
+
+def driver_process(ports: list[int], rate: float, phases: tuple[float, float], seed: int,
+                   sync: DriverSync) -> None:  # fmt: skip
     """One load-generator process (a single Python client saturates near 200 req/s)."""
-    results.put(asyncio.run(drive_ports(ports, rate, window, seed)))
+    sync.results.put(asyncio.run(drive_ports(ports, rate, phases, seed, sync)))
 
 
 async def run_phase(count: int, speedup: float, args: argparse.Namespace) -> PhaseResult:
     workers = [start_worker(speedup, args.blocks) for _ in range(count)]
     context = multiprocessing.get_context("spawn")
     drivers: list[multiprocessing.process.BaseProcess] = []
-    results: multiprocessing.Queue[dict[str, int]] = context.Queue()
+    sync = DriverSync(ready=context.Queue(), go=context.Event(), results=context.Queue())
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
             await wait_healthy(session, workers, speedup, args.blocks)
             ports = [port for _, port in workers]
-            # drivers need a moment to start (spawn); arrivals begin at ``start``
-            start = time.time() + 3.0
-            measure_from = start + args.warmup
-            end = measure_from + args.window
             num_drivers = max(1, min(args.drivers, count))
             for d in range(num_drivers):
                 driver = context.Process(
                     target=driver_process,
-                    args=(
-                        ports[d::num_drivers],
-                        args.rate * speedup,
-                        (start, measure_from, end),
-                        args.seed + d,
-                        results,
-                    ),
-                )
+                    args=(ports[d::num_drivers], args.rate * speedup, (args.warmup, args.window),
+                          args.seed + d, sync),
+                )  # fmt: skip
                 driver.start()
                 drivers.append(driver)
+            for _ in drivers:
+                await asyncio.to_thread(sync.ready.get, True, 120)
+            sync.go.set()
+            measure_from = time.time() + args.warmup
+            end = measure_from + args.window
             await asyncio.sleep(max(0.0, measure_from - time.time()))
             before = [await scrape(session, port) for port in ports]
             cpu_before = [cpu_seconds(p.pid) for p, _ in workers]
@@ -229,7 +239,7 @@ async def run_phase(count: int, speedup: float, args: argparse.Namespace) -> Pha
             wall = time.monotonic() - wall_before
         counters = {"offered": 0, "done": 0, "failed": 0, "dropped": 0}
         for _ in drivers:
-            for key, value in results.get(timeout=180).items():
+            for key, value in sync.results.get(timeout=180).items():
                 counters[key] += value
     finally:
         for running in drivers:
