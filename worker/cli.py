@@ -55,6 +55,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="model name clients use (default: kvroute-tiny/-small for shipped models)")
     add("--host", default=LOOPBACK,
         help="address the engine HTTP server and the agent bind (default %(default)s)")
+    add("--advertise-host", default=None,
+        help="host in the URLs this worker prints and the agent reports (/v1/info "
+             "engine_url), e.g. the pod IP (default: --host, or 127.0.0.1 for 0.0.0.0)")
     add("--port", type=int, default=8000,
         help="engine OpenAI HTTP port; 0 picks a free one (default %(default)s)")
     add("--zmq-port", type=int, default=5557,
@@ -144,8 +147,11 @@ def _stop_on_signals(stop: asyncio.Event, received: list[int]) -> None:
         loop.add_signal_handler(sig, handler)
 
 
-def _connect_host(host: str) -> str:
-    return LOOPBACK if host in ("", "0.0.0.0", "::", "*") else host
+def _connect_host(args: argparse.Namespace) -> str:
+    """The host others (and the agent) use to reach what this worker binds."""
+    if args.advertise_host:
+        return str(args.advertise_host)
+    return LOOPBACK if args.host in ("", "0.0.0.0", "::", "*") else str(args.host)
 
 
 async def _serve(stack: AsyncExitStack, app: web.Application, host: str, port: int) -> int:
@@ -174,7 +180,7 @@ async def _start_agent(
         token=args.agent_token,
     )
     port = await _serve(stack, create_agent_app(config), args.host, args.agent_port)
-    return f"http://{_connect_host(args.host)}:{port}"
+    return f"http://{_connect_host(args)}:{port}"
 
 
 def _print_ready(engine_url: str, agent_url: str, zmq: str, replay: str) -> None:
@@ -208,7 +214,7 @@ def _launch_config(args: argparse.Namespace) -> VllmLaunchConfig:
 
 async def _run_vllm(args: argparse.Namespace) -> int:
     config = _launch_config(args)
-    host = _connect_host(config.host)
+    host = _connect_host(args)
     engine_url = f"http://{host}:{config.port}"
     zmq, replay = f"tcp://{host}:{config.zmq_port}", f"tcp://{host}:{config.replay_port}"
     stop, received = asyncio.Event(), list[int]()
@@ -295,7 +301,7 @@ async def _run_sim(args: argparse.Namespace) -> int:
     async with AsyncExitStack() as stack:
         sim_app = create_sim_app(sim_config)  # binds the ZMQ sockets
         publisher = sim_app[SIM_STATE].publisher
-        host = _connect_host(args.host)
+        host = _connect_host(args)
         zmq = f"tcp://{host}:{publisher.port}"
         replay = f"tcp://{host}:{publisher.replay_port}"
         port = await _serve(stack, sim_app, args.host, args.port)

@@ -10,6 +10,7 @@ because they test the launcher itself.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -150,7 +151,8 @@ def test_help_explains_every_flag() -> None:
     )  # fmt: skip
     for flag in ("--engine", "--model", "--port", "--zmq-port", "--replay-port", "--agent-port",
                  "--agent-token", "--block-size", "--num-gpu-blocks", "--startup-timeout",
-                 "--dev-mode", "--cpu-threads-bind", "--speedup", "ENGINE_ARGS"):
+                 "--dev-mode", "--cpu-threads-bind", "--speedup", "--advertise-host",
+                 "ENGINE_ARGS"):
         assert flag in result.stdout, flag  # fmt: skip
 
 
@@ -347,3 +349,12 @@ def test_vllm_worker_reports_engine_death(tmp_path: Path, worker_ports: list[str
         assert "--no-such-vllm-flag" in err, err
     finally:
         worker.close()
+
+
+def test_advertised_host() -> None:
+    def host(**kwargs: str | None) -> str:
+        return cli._connect_host(argparse.Namespace(**{"advertise_host": None, **kwargs}))
+
+    assert host(host="0.0.0.0") == "127.0.0.1"
+    assert host(host="10.1.2.3") == "10.1.2.3"
+    assert host(host="0.0.0.0", advertise_host="10.1.2.3") == "10.1.2.3"
