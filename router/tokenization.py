@@ -241,6 +241,46 @@ class ModelTokenizer:
         )
         return self.encode(rendered, add_special_tokens=add_special_tokens)
 
+    def chat_request_token_ids(self, body: Mapping[str, Any]) -> list[int]:
+        """Token ids of a whole ``/v1/chat/completions`` body, merged as vLLM merges it.
+
+        ``chat_template_kwargs`` first, then the request's own fields over them
+        (``add_generation_prompt``, ``continue_final_message``, ``documents``,
+        ``reasoning_effort``; a None value does not override). ``chat_template`` and
+        ``tokenize`` in ``chat_template_kwargs`` are refused, as vLLM refuses them.
+        """
+        kwargs = body.get("chat_template_kwargs")
+        kwargs = {} if kwargs is None else kwargs
+        if not isinstance(kwargs, dict):
+            raise TokenizationError(
+                "'chat_template_kwargs' must be an object", "chat_template_kwargs"
+            )
+        if unexpected := sorted({"chat_template", "tokenize"} & kwargs.keys()):
+            raise TokenizationError(
+                f"Found unexpected chat template kwargs from request: {unexpected}",
+                "chat_template_kwargs",
+            )
+        merged = {k: v for k, v in kwargs.items() if k not in ("tools", "add_special_tokens")}
+        overrides = {
+            "add_generation_prompt": _flag(body, "add_generation_prompt", True),
+            "continue_final_message": _flag(body, "continue_final_message", False),
+            "documents": body.get("documents"),
+            "reasoning_effort": body.get("reasoning_effort"),
+        }
+        merged.update({k: v for k, v in overrides.items() if v is not None and v != "auto"})
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            raise TokenizationError("'messages' must be a list", "messages")
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise TokenizationError("'tools' must be a list", "tools")
+        return self.chat_token_ids(
+            messages,
+            tools=tools,
+            add_special_tokens=_flag(body, "add_special_tokens", False),
+            **merged,
+        )
+
     def render_chat(
         self,
         messages: list[dict[str, Any]],
@@ -269,11 +309,13 @@ class ModelTokenizer:
         final_text = ""
         if continue_final_message:
             conversation, final_text = tag_final_message(conversation)
-        # NOTE: vLLM always passes reasoning_effort (None by default) and turns it into
-        # enable_thinking unless the request's chat_template_kwargs set that.
-        variables: dict[str, Any] = {**self.special_tokens, "reasoning_effort": reasoning_effort}
-        if reasoning_effort is not None and "enable_thinking" not in template_kwargs:
-            variables["enable_thinking"] = reasoning_effort != "none"
+        # NOTE: vLLM passes reasoning_effort only when set (None is dropped), and turns it
+        # into enable_thinking unless the request's chat_template_kwargs set that.
+        variables: dict[str, Any] = dict(self.special_tokens)
+        if reasoning_effort is not None:
+            variables["reasoning_effort"] = reasoning_effort
+            if "enable_thinking" not in template_kwargs:
+                variables["enable_thinking"] = reasoning_effort != "none"
         variables.update(template_kwargs)
         try:
             rendered = template.compiled.render(
@@ -290,6 +332,13 @@ class ModelTokenizer:
         if continue_final_message:
             rendered = cut_after_final_message(rendered, final_text)
         return rendered
+
+
+def _flag(body: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key, default)
+    if not isinstance(value, bool):
+        raise TokenizationError(f"Invalid type for '{key}': expected a boolean.", key)
+    return value
 
 
 # -- loading helpers ------------------------------------------------------------------------

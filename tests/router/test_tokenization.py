@@ -194,3 +194,38 @@ def test_missing_chat_template_and_folder(tmp_path: Path) -> None:
         plain.chat_token_ids(MESSAGES)
     with pytest.raises(FileNotFoundError):
         ModelTokenizer.from_dir(tmp_path / "missing")
+
+
+def test_chat_request_merges_fields_like_vllm(tmp_path: Path) -> None:
+    template = (
+        "{% for m in messages %}{{ m['content'] }}|{% endfor %}"
+        "{% if reasoning_effort is defined %}effort={{ reasoning_effort }}|{% endif %}"
+        "{% if enable_thinking is defined %}think={{ enable_thinking }}|{% endif %}"
+        "{% if flavour is defined %}flavour={{ flavour }}|{% endif %}"
+        "{% if add_generation_prompt %}GEN{% endif %}"
+    )
+    ours = ModelTokenizer.from_dir(make_model(tmp_path, chat_template=template))
+    messages = [{"role": "user", "content": "hi"}]
+
+    def text(body: dict[str, Any]) -> str:
+        return bytes(ours.chat_request_token_ids({"messages": messages, **body})).decode()
+
+    assert text({}) == "hi|GEN"  # add_generation_prompt defaults to True; no effort passed
+    # The request's own field beats chat_template_kwargs; other kwargs reach the template.
+    kwargs = {"add_generation_prompt": True, "flavour": "x"}
+    assert text({"add_generation_prompt": False, "chat_template_kwargs": kwargs}) == "hi|flavour=x|"
+    assert text({"reasoning_effort": "low"}) == "hi|effort=low|think=True|GEN"
+    assert text({"reasoning_effort": "none"}) == "hi|effort=none|think=False|GEN"
+    override = {"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}}
+    assert text(override) == "hi|effort=high|think=False|GEN"
+    for body, param in [
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": []}, "chat_template_kwargs"),
+        ({"add_generation_prompt": "yes"}, "add_generation_prompt"),
+        ({"tools": {}}, "tools"),
+    ]:
+        with pytest.raises(TokenizationError) as info:
+            text(body)
+        assert info.value.param == param
+    with pytest.raises(TokenizationError, match="messages"):
+        ours.chat_request_token_ids({"messages": "hi"})
