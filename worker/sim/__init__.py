@@ -14,5 +14,7 @@ Layout (pure logic first, I/O last):
 - ``timing``: per-step time from a roofline of a named GPU and model.
 - ``engine``: the asyncio loop that runs steps in (scaled) real time.
 - ``events``: ZMQ PUB + replay ROUTER, like vLLM's ZmqEventPublisher.
-- ``openai_protocol``, ``tokenizer``, ``metrics``, ``server``: the HTTP side.
+- ``openai_protocol``, ``tokenizer``, ``serving``, ``metrics``, ``server``: the HTTP
+  side (``server.SimConfig`` and ``server.create_sim_app`` are the entry points).
+- ``__main__``: ``python -m worker.sim``; ``bench``: the fleet benchmark.
 """

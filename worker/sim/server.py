@@ -15,7 +15,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +73,6 @@ class SimConfig:
     topic: str = "kv"
     buffer_steps: int = 10_000
     hash_seed: str = "0"  # vLLM: PYTHONHASHSEED
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
