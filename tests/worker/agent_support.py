@@ -309,5 +309,9 @@ async def read_messages(
 
 
 async def ready(agent_url: str) -> bool:
-    async with aiohttp.ClientSession() as session, session.get(f"{agent_url}/ready") as r:
-        return r.status == 200
+    """Whether the agent answers ``/ready`` with 200 (False while it is not listening)."""
+    try:
+        async with aiohttp.ClientSession() as session, session.get(f"{agent_url}/ready") as r:
+            return r.status == 200
+    except aiohttp.ClientConnectionError:
+        return False
