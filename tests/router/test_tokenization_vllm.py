@@ -83,6 +83,12 @@ def _cases(tokenizer: ModelTokenizer) -> list[tuple[str, str, dict[str, Any], li
         },
     ]  # fmt: skip
     prefill = [*chat, {"role": "assistant", "content": "Continue this sentence about caches"}]
+    continue_body = {  # chat_template_kwargs lose to the request's own fields, as in vLLM
+        "messages": prefill,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "chat_template_kwargs": {"add_generation_prompt": True},
+    }
     text = "Completion prompt: " + "the quick brown fox jumps over the lazy dog; " * 5
     ids = list(range(65, 65 + 26)) * 8 + [10] * (7 * BLOCK_SIZE - 26 * 8)  # 7 full blocks
     return [
@@ -90,15 +96,14 @@ def _cases(tokenizer: ModelTokenizer) -> list[tuple[str, str, dict[str, Any], li
          tokenizer.completion_token_ids(text)),
         ("completion-ids", "/v1/completions", {"prompt": ids}, tokenizer.completion_token_ids(ids)),
         ("chat", "/v1/chat/completions", {"messages": chat}, tokenizer.chat_token_ids(chat)),
-        ("chat-continue", "/v1/chat/completions",
-         {"messages": prefill, "add_generation_prompt": False, "continue_final_message": True},
-         tokenizer.chat_token_ids(prefill, add_generation_prompt=False,
-                                  continue_final_message=True)),
+        ("chat-continue", "/v1/chat/completions", continue_body,
+         tokenizer.chat_request_token_ids(continue_body)),
     ]  # fmt: skip
 
 
 def _tokenize_body(body: dict[str, Any]) -> dict[str, Any]:
-    keys = ("prompt", "messages", "add_generation_prompt", "continue_final_message")
+    keys = ("prompt", "messages", "add_generation_prompt", "continue_final_message",
+            "chat_template_kwargs")  # fmt: skip
     return {k: v for k, v in body.items() if k in keys}
 
 
