@@ -43,6 +43,7 @@ class LiveBlock:
     """One live block: what its first BlockStored said about it."""
 
     parent_hash: EngineBlockHash | None  # None: first block of a sequence
+    parent_key: BlockKey | None  # (medium, parent_hash), kept to walk chains cheaply
     token_ids: list[int]  # exactly block_size tokens
     block_size: int
     medium: str | None  # as the engine sent it (None means GPU)
@@ -142,6 +143,7 @@ class LiveBlockSet:
             else:
                 self.key_to_block[key] = LiveBlock(
                     parent_hash=parent,
+                    parent_key=None if parent is None else (medium, parent),
                     token_ids=event.token_ids[i * size : (i + 1) * size],
                     block_size=size,
                     medium=event.medium,
@@ -170,7 +172,7 @@ class LiveBlockSet:
         children: dict[BlockKey, list[BlockKey]] = {}
         roots: list[BlockKey] = []
         for key, block in self.key_to_block.items():
-            parent_key = (key[0], block.parent_hash) if block.parent_hash is not None else None
+            parent_key = block.parent_key
             if parent_key is not None and parent_key in self.key_to_block:
                 children.setdefault(parent_key, []).append(key)
             else:
