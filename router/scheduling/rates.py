@@ -76,16 +76,27 @@ class WorkerRates:
         )
 
 
+_MIN_OBSERVATIONS_FOR_FLEET = 16  # a worker's rates count in the fleet mean after this
+_FLEET_REFRESH_EVERY = 64  # observations between recomputations of the fleet mean
+
+
 @dataclass(slots=True)
 class RateLearner:
-    """Worker -> ``WorkerRates``; unseen workers read the prior."""
+    """Worker -> ``WorkerRates``; unseen workers read the fleet's mean rates.
+
+    NOTE: a worker that joins a fleet whose rates are already learned starts from the
+    mean of the learned workers (not from ``RatePrior``), so it is neither flooded (the
+    fleet is slower than the prior says) nor starved; with no learned worker yet, the
+    prior applies. The mean is recomputed every ``_FLEET_REFRESH_EVERY`` observations.
+    """
 
     prior: RatePrior = field(default_factory=RatePrior)
     worker_to_rates: dict[WorkerId, WorkerRates] = field(default_factory=dict)
-    _prior_rates: WorkerRates | None = None
+    _prior_rates: WorkerRates | None = None  # cached start point of unseen workers
+    _num_observations: int = 0
 
     def rates_of(self, worker_id: WorkerId) -> WorkerRates:
-        """The worker's current rates (the shared prior, read-only, if never observed)."""
+        """The worker's current rates (the shared start point, read-only, if unseen)."""
         rates = self.worker_to_rates.get(worker_id)
         if rates is not None:
             return rates
@@ -123,6 +134,9 @@ class RateLearner:
         self._clamp(rates)
         rates.num_observations += 1
         rates.last_error_s = error
+        self._num_observations += 1
+        if self._num_observations % _FLEET_REFRESH_EVERY == 0:
+            self._prior_rates = None
 
     def forget_worker(self, worker_id: WorkerId) -> None:
         self.worker_to_rates.pop(worker_id, None)
@@ -130,12 +144,21 @@ class RateLearner:
     # -- internal helpers ------------------------------------------------------------
 
     def _fresh(self) -> WorkerRates:
+        """A new worker's state: the learned fleet mean, else the prior."""
         prior = self.prior
-        theta = [
-            prior.overhead_s,
-            prior.seconds_per_prefill_token * _TOKEN_SCALE,
-            prior.seconds_per_running_request * _RUNNING_SCALE,
+        learned = [
+            r.theta
+            for r in self.worker_to_rates.values()
+            if r.num_observations >= _MIN_OBSERVATIONS_FOR_FLEET
         ]
+        if learned:
+            theta = [sum(t[i] for t in learned) / len(learned) for i in range(3)]
+        else:
+            theta = [
+                prior.overhead_s,
+                prior.seconds_per_prefill_token * _TOKEN_SCALE,
+                prior.seconds_per_running_request * _RUNNING_SCALE,
+            ]
         v = prior.prior_variance
         covariance = [[v if i == j else 0.0 for j in range(3)] for i in range(3)]
         return WorkerRates(theta=theta, covariance=covariance)

@@ -66,10 +66,9 @@ def test_rates_track_a_slowdown_and_stay_within_bounds() -> None:
     assert prior.min_seconds_per_prefill_token <= rates.seconds_per_prefill_token
     assert rates.seconds_per_prefill_token <= prior.max_seconds_per_prefill_token
     assert 0.0 <= rates.overhead_s <= prior.max_overhead_s
-    assert (
-        learner.rates_of(WorkerId("new")).seconds_per_prefill_token
-        == prior.seconds_per_prefill_token
-    )
+    assert learner.rates_of(WorkerId("new")).seconds_per_prefill_token == pytest.approx(
+        1e-3, rel=0.1
+    )  # an unseen worker starts from the fleet (here: W), not the prior
 
 
 def test_scheduler_learns_from_first_tokens() -> None:
@@ -117,3 +116,20 @@ def test_scheduler_reports_persistent_drift_per_worker() -> None:
     decision = sched.pick(request(tokens(99, 10 * BLOCK)), workers)
     assert decision is not None
     assert sched.on_finish(decision, num_cached_tokens=None, ok=True) is False
+
+
+def test_new_workers_start_from_the_learned_fleet_mean() -> None:
+    prior = RatePrior()
+    learner = RateLearner(prior)
+    assert learner.rates_of(WorkerId("new")).seconds_per_prefill_token == pytest.approx(
+        prior.seconds_per_prefill_token
+    )
+    rng = random.Random(3)
+    for worker, per_token in ((WorkerId("a"), 1e-3), (WorkerId("b"), 3e-3)):
+        for _ in range(200):
+            n = rng.randrange(100, 4000)
+            learner.observe(worker, prefill_tokens=n, num_running=0, ttft_s=0.01 + per_token * n)
+    unseen = learner.rates_of(WorkerId("new")).seconds_per_prefill_token
+    assert unseen == pytest.approx(2e-3, rel=0.1)  # the mean, 10x the prior
+    learner.observe(WorkerId("c"), prefill_tokens=1000, num_running=0, ttft_s=2.01)
+    assert learner.rates_of(WorkerId("c")).seconds_per_prefill_token == pytest.approx(2e-3, rel=0.1)
