@@ -303,3 +303,27 @@ def test_approx_prefix_load_guard_and_lru_bound() -> None:
     for seed in range(5):
         sched.pick(request(tokens(50 + seed, 6 * BLOCK)), workers)
     assert len(policy.block_to_workers) <= 8
+
+
+def test_forget_worker_drops_its_state_everywhere() -> None:
+    index, workers = make_fleet(3)
+    approx = ApproxPrefixPolicy()
+    sched = Scheduler(index, approx, rng=random.Random(0), clock=lambda: 0.0)
+    prompt = tokens(11, 8 * BLOCK)
+    decision = sched.pick(request(prompt), workers)
+    assert decision is not None
+    finish(sched, decision, cached=5 * BLOCK)
+    gone = decision.worker_id
+    assert sched.rates.worker_to_rates.get(gone) is not None
+    assert sched.drift_of(gone).num_checked == 1
+    sched.forget_worker(gone)
+    assert gone not in sched.rates.worker_to_rates
+    assert sched.drift_of(gone).num_checked == 0
+    assert all(gone not in holders for holders in approx.block_to_workers.values())
+    session = scheduler(index, "session")
+    first = session.pick(request(prompt, session_key="k"), workers)
+    assert first is not None
+    session.forget_worker(first.worker_id)
+    remaining = [w for w in workers if w.worker_id != first.worker_id]
+    moved = session.pick(request(prompt, session_key="k"), remaining)
+    assert moved is not None and moved.worker_id != first.worker_id
