@@ -47,13 +47,13 @@ def walk_gpu_only(
         held = get(h, 0) & alive
         if held != alive:
             if i:
-                _record(result, slot_to_worker, alive & ~held, i, [i, 0, 0, 0], {})
+                _record(result, slot_to_worker, alive & ~held, i)
             alive = held
             if not alive:
                 return result
     n = len(hashes)
     if n:
-        _record(result, slot_to_worker, alive, n, [n, 0, 0, 0], {})
+        _record(result, slot_to_worker, alive, n)
     return result
 
 
@@ -65,46 +65,164 @@ def walk_tiered(
 ) -> dict[WorkerId, Overlap]:
     """The walk with a tier split: each block counts in the fastest layer holding it.
 
-    ``uniform[k]`` counts positions where every worker still in the run had the block
-    in layer ``k`` (the common case, O(1)); other positions are counted per worker in
-    ``slot_counts``. A worker's split is the sum of both when it drops.
+    Consecutive positions with the same split of the running workers over the layers
+    form a segment, counted once when it ends (``_SplitCounts.add``). So the cost is
+    O(len(hashes)) probes plus O(segments * log(len)) big-int operations, never
+    O(len(hashes) * workers), however many workers hold blocks only predicted.
     """
+    if not (layers[1] or layers[2]):
+        return _walk_gpu_predicted(hashes, layers[0], layers[3], all_mask, slot_to_worker)
     result: dict[WorkerId, Overlap] = {}
     gpu_get, cpu_get, disk_get, predicted_get = (layer.get for layer in layers)
-    uniform = [0, 0, 0, 0]
-    slot_counts: dict[int, list[int]] = {}
+    has_cpu, has_disk = bool(layers[1]), bool(layers[2])
+    counts = _SplitCounts()
     alive = all_mask
+    seg_g = seg_c = seg_d = -1  # the current segment's split (GPU, CPU, DISK parts)
+    seg_len = 0
     for i, h in enumerate(hashes):
         g = gpu_get(h, 0) & alive
-        c = cpu_get(h, 0) & alive
-        d = disk_get(h, 0) & alive
-        p = predicted_get(h, 0) & alive
-        held = g | c | d | p
+        c = cpu_get(h, 0) & alive & ~g if has_cpu else 0
+        d = disk_get(h, 0) & alive & ~(g | c) if has_disk else 0
+        held = g | c | d | (predicted_get(h, 0) & alive)
         if held != alive:
+            counts.add(seg_g, seg_c, seg_d, seg_len, alive)
+            seg_g = seg_c = seg_d = -1
+            seg_len = 0
             if i:
-                _record(result, slot_to_worker, alive & ~held, i, uniform, slot_counts)
+                for slot in slots_of(alive & ~held):
+                    _record_one(result, slot_to_worker, slot, i, counts)
             alive = held
             if not alive:
                 return result
-        if g == alive:
-            uniform[0] += 1
-            continue
-        c &= ~g
-        d &= ~(g | c)
-        p = alive & ~(g | c | d)
-        if c == alive:
-            uniform[1] += 1
-        elif d == alive:
-            uniform[2] += 1
-        elif p == alive:
-            uniform[3] += 1
+        if g == seg_g and c == seg_c and d == seg_d:
+            seg_len += 1
         else:
-            for layer_index, part in enumerate((g, c, d, p)):
-                for slot in slots_of(part):
-                    slot_counts.setdefault(slot, [0, 0, 0, 0])[layer_index] += 1
-    if hashes:
-        _record(result, slot_to_worker, alive, len(hashes), uniform, slot_counts)
+            counts.add(seg_g, seg_c, seg_d, seg_len, alive)
+            seg_g, seg_c, seg_d, seg_len = g, c, d, 1
+    counts.add(seg_g, seg_c, seg_d, seg_len, alive)
+    for slot in slots_of(alive):
+        _record_one(result, slot_to_worker, slot, len(hashes), counts)
     return result
+
+
+def _walk_gpu_predicted(
+    hashes: Sequence[BlockHash],
+    gpu: dict[BlockHash, int],
+    predicted: dict[BlockHash, int],
+    all_mask: int,
+    slot_to_worker: Sequence[WorkerId | None],
+) -> dict[WorkerId, Overlap]:
+    """``walk_tiered`` without CPU or DISK blocks (the usual case): a segment is a GPU
+    mask, and the predicted layer is only probed where some running worker lacks the
+    block on GPU."""
+    result: dict[WorkerId, Overlap] = {}
+    gpu_get, predicted_get = gpu.get, predicted.get
+    counts = _SplitCounts()
+    alive = all_mask
+    seg_g = -1
+    seg_len = 0
+    for i, h in enumerate(hashes):
+        g = gpu_get(h, 0) & alive
+        if g != alive:
+            held = g | (predicted_get(h, 0) & alive)
+            if held != alive:
+                counts.add(seg_g, 0, 0, seg_len, alive)
+                seg_g, seg_len = -1, 0
+                if i:
+                    for slot in slots_of(alive & ~held):
+                        _record_one(result, slot_to_worker, slot, i, counts)
+                alive = held
+                if not alive:
+                    return result
+        if g == seg_g:
+            seg_len += 1
+        else:
+            counts.add(seg_g, 0, 0, seg_len, alive)
+            seg_g, seg_len = g, 1
+    counts.add(seg_g, 0, 0, seg_len, alive)
+    for slot in slots_of(alive):
+        _record_one(result, slot_to_worker, slot, len(hashes), counts)
+    return result
+
+
+class _SplitCounts:
+    """Per-worker block counts for GPU, CPU and DISK, kept for all workers at once.
+
+    A layer's count for worker ``w`` is ``uniform[k]`` (segments where every running
+    worker had the layer) plus the number whose bits at position ``w`` are written
+    across ``planes[k]`` (bit-sliced counters: plane ``j`` holds bit ``j`` of every
+    worker's count, so adding ``n`` to a mask of workers is a few big-int operations).
+    """
+
+    __slots__ = ("planes", "uniform")
+
+    def __init__(self) -> None:
+        self.uniform = [0, 0, 0]
+        self.planes: list[list[int]] = [[], [], []]
+
+    def add(self, g: int, c: int, d: int, n: int, alive: int) -> None:
+        """Count ``n`` positions where the workers in ``g``/``c``/``d`` had that tier."""
+        if n <= 0:
+            return
+        for k, mask in enumerate((g, c, d)):
+            if not mask:
+                continue
+            if mask == alive:
+                self.uniform[k] += n
+            else:
+                _add_sliced(self.planes[k], mask, n)
+
+    def of(self, slot: int) -> tuple[int, int, int]:
+        """Worker ``slot``'s GPU, CPU and DISK counts. O(planes)."""
+        g, c, d = self.uniform
+        planes_g, planes_c, planes_d = self.planes
+        if planes_g:
+            g += _bits_at(planes_g, slot)
+        if planes_c:
+            c += _bits_at(planes_c, slot)
+        if planes_d:
+            d += _bits_at(planes_d, slot)
+        return g, c, d
+
+
+def _bits_at(planes: list[int], slot: int) -> int:
+    """The number a bit-sliced counter holds for ``slot``."""
+    n = 0
+    for plane in reversed(planes):
+        n = (n << 1) | ((plane >> slot) & 1)
+    return n
+
+
+def _add_sliced(planes: list[int], mask: int, n: int) -> None:
+    """Add ``n`` to the bit-sliced counter of every worker in ``mask``."""
+    j = 0
+    while n:
+        if n & 1:
+            carry = mask
+            k = j
+            while carry:
+                while k >= len(planes):
+                    planes.append(0)
+                plane = planes[k]
+                planes[k] = plane ^ carry
+                carry &= plane
+                k += 1
+        n >>= 1
+        j += 1
+
+
+def _record_one(
+    result: dict[WorkerId, Overlap],
+    slot_to_worker: Sequence[WorkerId | None],
+    slot: int,
+    run_length: int,
+    counts: _SplitCounts,
+) -> None:
+    worker = slot_to_worker[slot]
+    if worker is None:  # pragma: no cover - masks never hold a free slot
+        return
+    g, c, d = counts.of(slot)
+    result[worker] = Overlap(run_length, g, c, d, run_length - g - c - d)
 
 
 def _record(
@@ -112,16 +230,13 @@ def _record(
     slot_to_worker: Sequence[WorkerId | None],
     dropped: int,
     run_length: int,
-    uniform: list[int],
-    slot_counts: dict[int, list[int]],
 ) -> None:
+    """All-GPU runs: every dropped worker's run is on GPU."""
+    overlap = Overlap(run_length, run_length, 0, 0, 0)
     for slot in slots_of(dropped):
         worker = slot_to_worker[slot]
-        if worker is None:  # pragma: no cover - masks never hold a free slot
-            continue
-        own = slot_counts.get(slot)
-        split = uniform if own is None else [u + o for u, o in zip(uniform, own, strict=True)]
-        result[worker] = Overlap(run_length, split[0], split[1], split[2], split[3])
+        if worker is not None:
+            result[worker] = overlap
 
 
 def slots_of(mask: int) -> Iterator[int]:

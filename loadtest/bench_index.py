@@ -233,12 +233,13 @@ def bench_decode_apply(workload: Workload, system: list[list[int]]) -> float:
 
 def bench_block_size(args: argparse.Namespace, block_size: int) -> dict[str, Any]:
     blocks_per_sequence = args.prompt_tokens // block_size
-    blocks_per_worker = args.blocks / args.workers
     workload = Workload(
         seed=args.seed,
         block_size=block_size,
         num_workers=args.workers,
-        sequences_per_worker=max(1, round(blocks_per_worker / blocks_per_sequence)),
+        sequences_per_worker=_sequences_for(
+            args.blocks / args.workers, block_size, args.prompt_tokens
+        ),
         prompt_tokens=args.prompt_tokens,
     )
     system = workload.system_prompts()
@@ -277,6 +278,17 @@ def bench_block_size(args: argparse.Namespace, block_size: int) -> dict[str, Any
         del built
         result[name] = entry
     return result
+
+
+def _sequences_for(blocks_per_worker: float, block_size: int, prompt_tokens: int) -> int:
+    """Sequences per worker so that it holds about ``blocks_per_worker`` blocks (each
+    system prompt is stored once per worker, the rest of each sequence is its own)."""
+    per_sequence = prompt_tokens // block_size
+    system = SYSTEM_PROMPT_TOKENS // block_size
+    n = 1
+    while min(n, NUM_SYSTEM_PROMPTS) * system + n * (per_sequence - system) < blocks_per_worker:
+        n += 1
+    return n
 
 
 def _entries(index: _Index) -> int:

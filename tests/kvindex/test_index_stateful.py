@@ -21,14 +21,15 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvindex.hashing import Namespace, hash_prompt
+from kvindex.hashing import BlockHash, Namespace, hash_prompt
 from kvindex.index import PrefixIndex, WorkerId
 from kvindex.protocol import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.kvindex.fake_engine import BlockSpan, make_sequences
 from tests.reference_model import ReferenceIndex
 
 WORKERS = [WorkerId(f"w{i}") for i in range(4)]
-MEDIUMS = [None, "GPU", "CPU", "STORAGE", "cpu", "TAPE"]
+# weighted towards GPU so that stores and removals meet often
+MEDIUMS = [None, None, None, "GPU", "CPU", "STORAGE", "cpu", "TAPE"]
 LORAS = [None, "adapter-a"]
 # (lora, salt, engine seed): engine seed 1 gives other engine hashes for the same blocks
 IDENTITIES: list[tuple[str | None, str | None, int]] = [
@@ -76,6 +77,7 @@ class IndexMachine(RuleBasedStateMachine):
         ]
         self.sequences: list[list[int]] = []
         self.stored: list[_Stored] = []  # every span stored so far, to extend or remove
+        self.last_prediction: tuple[WorkerId, list[BlockHash]] | None = None
 
     @initialize(seed=st.integers(0, 2**16))
     def make_workload(self, seed: int) -> None:
@@ -114,7 +116,7 @@ class IndexMachine(RuleBasedStateMachine):
         extend=st.booleans(),
         count=st.integers(1, 4),
         medium=mediums,
-        identity=st.sampled_from(IDENTITIES),
+        identity=st.sampled_from([*IDENTITIES, IDENTITIES[0], IDENTITIES[-1]]),
         narrow=st.sampled_from([False] * 9 + [True]),
         as_bytes=st.booleans(),
         times=st.integers(1, 2),
@@ -152,6 +154,29 @@ class IndexMachine(RuleBasedStateMachine):
             self.reference.apply(worker, event, now)
         self.stored.append(_Stored(worker, seq, start, count, identity, medium, narrow))
 
+    @rule(pick=st.integers(0, 2**16), as_bytes=st.booleans())
+    def store_alias(self, pick: int, as_bytes: bool) -> None:
+        """Store a stored span again under the other engine seed: two engine hashes, one
+        block of ours (as engine-side extra keys we do not hash would cause)."""
+        if not self.stored:
+            return
+        old = self.stored[pick % len(self.stored)]
+        lora, salt, seed = old.identity
+        tokens = self.sequences[old.seq]
+        if old.start > 0:  # the parent must exist under the new seed too: store from 0
+            span = BlockSpan(
+                tokens, self.block_size, 0, old.start + old.count, lora, salt, 1 - seed
+            )
+        else:
+            span = BlockSpan(tokens, self.block_size, 0, old.count, lora, salt, 1 - seed)
+        event = span.stored(old.medium, as_bytes)
+        self.index.apply(old.worker, event, self.now)
+        self.reference.apply(old.worker, event, self.now)
+        identity = (lora, salt, 1 - seed)
+        self.stored.append(
+            _Stored(old.worker, old.seq, 0, span.count, identity, old.medium, narrow=False)
+        )
+
     @rule(
         pick=st.integers(0, 2**16),
         first=st.integers(0, 3),
@@ -183,7 +208,6 @@ class IndexMachine(RuleBasedStateMachine):
         self.index.apply(worker, event, self.now)
         self.reference.apply(worker, event, self.now)
 
-
     @rule(
         worker=workers,
         hashes=st.lists(st.integers(0, 2**64 - 1), max_size=3),
@@ -211,12 +235,22 @@ class IndexMachine(RuleBasedStateMachine):
         worker=workers,
         seq=sequence_ids,
         num_blocks=st.integers(1, NUM_BLOCKS),
-        which=st.integers(0, 1),
-        ttl=st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+        which=st.sampled_from([0, 0, 0, 1]),
+        ttl=st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.0]),
     )
     def predict(self, worker: WorkerId, seq: int, num_blocks: int, which: int, ttl: float) -> None:
         tokens = self.sequences[seq][: num_blocks * self.block_size]
         hashes = hash_prompt(self.base[which], tokens)
+        self.index.predict(worker, hashes, ttl, self.now)
+        self.reference.predict(worker, hashes, ttl, self.now)
+        self.last_prediction = (worker, hashes)
+
+    @rule(ttl=st.sampled_from([0.25, 0.5, 1.0, 4.0]))
+    def predict_again(self, ttl: float) -> None:
+        """Predict the last predicted blocks again: extends, never shortens."""
+        if self.last_prediction is None:
+            return
+        worker, hashes = self.last_prediction
         self.index.predict(worker, hashes, ttl, self.now)
         self.reference.predict(worker, hashes, ttl, self.now)
 
