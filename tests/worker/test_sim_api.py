@@ -206,3 +206,20 @@ def test_client_disconnect_aborts_and_frees_blocks(stream: bool) -> None:
         assert not sim.state.scheduler.requests
         assert sim.state.scheduler.kv.usage() == 0.0
         assert 'finished_reason="abort"' in get_text(sim, "/metrics")
+
+
+def test_cache_hit_cuts_time_to_first_token() -> None:
+    """The timing model reaches clients: a cached 4K-token prompt answers much sooner."""
+    prompt = list(range(40, 120)) * 50  # 4,000 tokens: ~0.4 s of A100 prefill
+    with running_sim(speedup=1.0, gpu_profile="a100-llama3.1-8b") as sim:
+        ttfts = []
+        for _ in range(2):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+            start = time.monotonic()
+            status, result = post(sim, "/v1/completions", body)
+            ttfts.append(time.monotonic() - start)
+            assert status == 200
+        assert result["usage"]["prompt_tokens_details"]["cached_tokens"] == 3968
+        assert ttfts[0] > 0.3
+        assert ttfts[1] < ttfts[0] / 3
+        assert "vllm:time_to_first_token_seconds_count" in get_text(sim, "/metrics")
