@@ -200,6 +200,7 @@ class PoolMachine(RuleBasedStateMachine):
             else:
                 self.event_replay.clear()
         assert list(pool.free_queue) == self.ref.free
+        assert {b.block_id: b.ref_cnt for b in pool.blocks[1:]} == self.ref.ref
         cached = {b.block_id: b.block_hash for b in pool.blocks if b.block_hash is not None}
         assert cached == self.ref.hash_of
         assert self.events_stored == self.ref.stored
