@@ -289,10 +289,19 @@ async def shared_prompt_run(
             "token_hit_ratio": cached_tokens / prompt_tokens if prompt_tokens else 0.0}  # fmt: skip
 
 
-async def reset_caches(workers: Sequence[str]) -> None:
+async def reset_caches(workers: Sequence[str], model: str) -> None:
+    """Reset every worker's prefix cache, then run one engine step per worker.
+
+    NOTE: vLLM publishes KV events at the end of an engine step, so the reset's
+    ``AllBlocksCleared`` stays queued until the next request; a one-token request (no
+    full block, nothing stored) flushes it before the router subscribes.
+    """
     async with aiohttp.ClientSession() as session:
         for url in workers:
             async with session.post(url + "/reset_prefix_cache") as resp:
+                resp.raise_for_status()
+            body = {"model": model, "prompt": "x", "max_tokens": 1}
+            async with session.post(url + "/v1/completions", json=body) as resp:
                 resp.raise_for_status()
 
 
@@ -301,7 +310,7 @@ async def bench_ttft(
 ) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for policy in ("round_robin", "cache_aware"):
-        await reset_caches(workers)
+        await reset_caches(workers, model)
         with router(workers, policy) as base:
             results[policy] = await shared_prompt_run(
                 base, model, args.tenants, args.rounds, args.prompt_chars

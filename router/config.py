@@ -103,6 +103,7 @@ class RouterConfig:
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
     unhealthy_after: int = 2
+    sync_timeout_s: float = 10.0
     prediction_ttl_s: float = 2.0
     session_header: str = "x-session-id"
     salt_by_tenant: bool = False
@@ -176,6 +177,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("health_interval_s", "float", "seconds between worker health checks"),
     Option("health_timeout_s", "float", "timeout of one health check"),
     Option("unhealthy_after", "int", "failed health checks in a row before a worker is out"),
+    Option(
+        "sync_timeout_s",
+        "float",
+        "longest wait for a new worker's index snapshot before routing to it anyway",
+    ),
     Option("prediction_ttl_s", "float", "seconds a routed request's blocks count as predicted"),
     Option("session_header", "str", "header carrying the session key (else the 'user' field)"),
     Option("salt_by_tenant", "bool", "set cache_salt from the authenticated tenant"),

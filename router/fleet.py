@@ -83,6 +83,8 @@ class Subscriber(Protocol):
 
     def stop(self, worker_id: WorkerId) -> None: ...
 
+    async def wait_synced(self, worker_id: WorkerId, timeout_s: float) -> bool: ...
+
 
 @dataclass(slots=True)
 class FleetWorker:
@@ -208,7 +210,7 @@ class Fleet:
         if ok:
             worker.consecutive_failures = 0
             if not worker.view.healthy and worker.probed:
-                self._mark_routable(worker)
+                await self._mark_routable(worker)
             return
         worker.consecutive_failures += 1
         if worker.view.healthy and worker.consecutive_failures >= self._config.unhealthy_after:
@@ -245,6 +247,9 @@ class Fleet:
             async with session.get(worker.spec.agent_url + "/v1/info", timeout=timeout) as resp:
                 resp.raise_for_status()
                 info: dict[str, Any] = await resp.json()
+            if not info.get("ready"):  # omitted when false (omit_defaults)
+                # its snapshot would be partial while it replays the engine's history
+                raise ValueError("agent not ready (first sync with the engine pending)")
             if info.get("block_size"):
                 return int(info["block_size"])
         async with session.get(worker.spec.url + "/metrics", timeout=timeout) as resp:
@@ -305,12 +310,27 @@ class Fleet:
         self.workers[worker_id] = FleetWorker(spec=spec, view=view)
         log.info("worker %s added (agent %s)", worker_id, spec.agent_url)
 
-    def _mark_routable(self, worker: FleetWorker) -> None:
+    async def _mark_routable(self, worker: FleetWorker) -> None:
+        """Register, subscribe, and route once the index holds the worker's state.
+
+        NOTE: routing before the first snapshot (or ZMQ bootstrap) is applied would place
+        requests on a cold index; after ``sync_timeout_s`` the worker is routed to anyway
+        (a cold index only costs cache hits).
+        """
         worker_id = worker.view.worker_id
         self._index.add_worker(worker_id, worker.view.namespace)
-        worker.view.healthy = True
         if self.subscriber is not None:
             self.subscriber.start(worker)
+            synced = await self.subscriber.wait_synced(worker_id, self._config.sync_timeout_s)
+            if not synced:
+                log.warning(
+                    "worker %s: no index snapshot after %.1fs, routing anyway",
+                    worker_id,
+                    self._config.sync_timeout_s,
+                )
+            if self.workers.get(worker_id) is not worker or not worker.probed:
+                return  # removed or failed while we waited
+        worker.view.healthy = True
         log.info("worker %s routable: %s", worker_id, worker.view.namespace)
         for callback in self._listeners:
             callback()

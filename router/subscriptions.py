@@ -53,6 +53,7 @@ class IndexFeed:
         self._events_applied = metrics.events_applied.labels(worker=worker_id)
         self.num_snapshots = 0  # snapshots applied (each one a resync)
         self._block_size_confirmed = False  # an event has shown the engine's block size
+        self.synced = asyncio.Event()  # set once the index holds the worker's state
 
     def on_snapshot(self, epoch: Epoch, seq: StreamSeq, events: Sequence[BlockStored]) -> None:
         if events and not self._block_size_confirmed:
@@ -62,6 +63,7 @@ class IndexFeed:
         for event in events:
             self._index.apply(self.worker_id, event, now)
         self.num_snapshots += 1
+        self.synced.set()
         self._events_applied.inc(len(events))
         log.info(
             "worker %s: snapshot epoch %s seq %s, %d blocks events",
@@ -149,6 +151,18 @@ class SubscriptionManager:
         log.warning("worker %s: resync (%s)", worker_id, reason)
         self._metrics.resyncs.labels(worker=worker_id, reason=reason).inc()
         self.start(worker)
+        return True
+
+    async def wait_synced(self, worker_id: WorkerId, timeout_s: float) -> bool:
+        """Wait until the worker's subscription has loaded its state into the index."""
+        feed = self.feeds.get(worker_id)
+        if feed is None:
+            return False
+        try:
+            async with asyncio.timeout(timeout_s):
+                await feed.synced.wait()
+        except TimeoutError:
+            return False
         return True
 
     async def close(self) -> None:

@@ -70,7 +70,12 @@ class ZmqSubscription:
         self._lock = asyncio.Lock()
 
     async def run(self) -> None:
-        endpoint, self._replay_endpoint, topic = await self._sources()
+        sources = await self._sources()
+        if sources is None:  # the engine publishes no KV events: nothing to follow
+            self._feed.synced.set()
+            await asyncio.Event().wait()
+            return
+        endpoint, self._replay_endpoint, topic = sources
         sub = self._context.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
@@ -81,6 +86,7 @@ class ZmqSubscription:
             async with self._lock:
                 self._feed.purge()
                 await self._sync_from_replay()
+            self._feed.synced.set()
             while True:
                 frames = await sub.recv_multipart()
                 async with self._lock:
@@ -189,13 +195,14 @@ class ZmqSubscription:
         self._last_seq = None
         self._seq_to_crc.clear()
 
-    async def _sources(self) -> tuple[str, str | None, str]:
+    async def _sources(self) -> tuple[str, str | None, str] | None:
         url = self._worker.spec.url
         async with self._session.get(url + "/kv_event_sources") as resp:
             resp.raise_for_status()
             sources = await resp.json()
         if not sources:
-            raise RuntimeError(f"{url} publishes no KV events (/kv_event_sources is empty)")
+            log.warning("worker %s publishes no KV events; routing without its cache state", url)
+            return None
         config = sources.get("0") or next(iter(sources.values()))
         host = urlsplit(url).hostname or "127.0.0.1"
         endpoint = _connectable(str(config["endpoint"]), host)
