@@ -128,10 +128,10 @@ class ReferenceIndex:
                 self.errors["hash_conflict"] += 1
             else:
                 copies[key][1] += 1
-        real = {h for _, h in self.real_blocks(worker)}
-        for h in list(self.predicted[worker]):
-            if h in real:
-                del self.predicted[worker][h]
+        held = {block for _, block in self.real_blocks(worker)}
+        for block in list(self.predicted[worker]):
+            if block in held:
+                del self.predicted[worker][block]
 
     def _removed(self, worker: WorkerId, event: BlockRemoved) -> None:
         tier = self._tier(event.medium)

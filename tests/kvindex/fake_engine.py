@@ -72,7 +72,7 @@ class BlockSpan:
             block_size=bs,
             medium=medium,
             lora_name=self.lora,
-            extra_keys=extra_keys,  # type: ignore[arg-type]
+            extra_keys=extra_keys,
         )
 
     def removed(self, medium: str | None = None, as_bytes: bool = False) -> BlockRemoved:

@@ -218,13 +218,22 @@ def test_bad_frames() -> None:
         decode_frame([b"\xff\xfe", good[1], good[2]])
 
 
+def _one_block(lora_name: str | None = None, extra_keys: list[object] | None = None) -> BlockStored:
+    return BlockStored(
+        block_hashes=[1],
+        parent_block_hash=None,
+        token_ids=[1],
+        block_size=1,
+        lora_name=lora_name,
+        extra_keys=None if extra_keys is None else [extra_keys],
+    )
+
+
 def test_cache_salt_of_skips_the_lora_name() -> None:
-    base = {"block_hashes": [1], "parent_block_hash": None, "token_ids": [1], "block_size": 1}
-    salted = BlockStored(**base, lora_name="a", extra_keys=[["a", ["mm", 0], "salt-x"]])
-    assert cache_salt_of(salted) == "salt-x"
-    assert cache_salt_of(BlockStored(**base, extra_keys=[["salt-y"]])) == "salt-y"
-    assert cache_salt_of(BlockStored(**base, lora_name="a", extra_keys=[["a"]])) is None
-    assert cache_salt_of(BlockStored(**base)) is None
+    assert cache_salt_of(_one_block("a", ["a", ["mm", 0], "salt-x"])) == "salt-x"
+    assert cache_salt_of(_one_block(None, ["salt-y"])) == "salt-y"
+    assert cache_salt_of(_one_block("a", ["a"])) is None
+    assert cache_salt_of(_one_block()) is None
 
 
 # --- fuzzing: only EventDecodeError, and a failed decode never touches the index --------
