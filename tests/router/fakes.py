@@ -36,6 +36,7 @@ class FakeBehaviour:
     delay_s: float = 0.0  # slow_first: before the first chunk
     cached_tokens: int = 0
     lora: str | None = None  # a LoRA adapter this worker also serves
+    agent_ready: bool = True  # what GET /v1/info says (the fake doubles as an agent)
 
 
 @dataclass
@@ -54,6 +55,7 @@ class FakeWorker:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/kv_event_sources", self._empty)
+        app.router.add_get("/v1/info", self._agent_info)
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/v1/chat/completions", self._complete)
         return app
@@ -68,6 +70,13 @@ class FakeWorker:
 
     async def _empty(self, request: web.Request) -> web.Response:
         return web.json_response({})
+
+    async def _agent_info(self, request: web.Request) -> web.Response:
+        info: dict[str, Any] = {"models": [MODEL], "block_size": BLOCK_SIZE,
+                                "engine_url": self.url, "epoch": 1}  # fmt: skip
+        if self.behaviour.agent_ready:  # the agent omits false defaults
+            info["ready"] = True
+        return web.json_response(info)
 
     async def _models(self, request: web.Request) -> web.Response:
         data = [{"id": MODEL, "object": "model", "parent": None}]

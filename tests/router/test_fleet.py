@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from router.app import FLEET, INDEX, SESSION
+from router.app import FLEET, INDEX, SESSION, create_app, start_server
 from router.config import WorkerSpec
 from tests.router.fakes import (
     BLOCK_SIZE,
@@ -101,3 +101,24 @@ async def _until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None
         if time.monotonic() > deadline:
             raise TimeoutError("condition not met")
         await asyncio.sleep(0.02)
+
+
+def test_worker_waits_for_its_agent_to_finish_the_first_sync() -> None:
+    async def main() -> None:
+        async with fake_workers(FakeBehaviour(agent_ready=False)) as (worker,):
+            config = router_config([], sync_timeout_s=0.2)
+            config.workers = [WorkerSpec(worker.url, agent_url=worker.url)]
+            app = create_app(config)
+            runner, _ = await start_server(app, "127.0.0.1", 0)
+            try:
+                fleet = app[FLEET]
+                await fleet.check_all(app[SESSION])
+                assert not fleet.views()[0].healthy  # a partial snapshot would mislead
+                worker.behaviour.agent_ready = True
+                await fleet.check_all(app[SESSION])
+                # no stream to snapshot from here: routed after sync_timeout_s anyway
+                assert fleet.views()[0].healthy
+            finally:
+                await runner.cleanup()
+
+    run(main())
