@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="kvroute-small", help="ttft: served model name")
     parser.add_argument("--tenants", type=int, default=8, help="ttft: shared system prompts")
     parser.add_argument("--rounds", type=int, default=8, help="ttft: users per tenant")
-    parser.add_argument("--prompt-chars", type=int, default=1000, help="ttft: system prompt")
+    parser.add_argument("--prompt-chars", type=int, default=1280, help="ttft: system prompt")
     parser.add_argument("--port", type=int, action="append", default=[], help=argparse.SUPPRESS)
     parser.add_argument("--speedup", type=float, default=1000.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
