@@ -39,6 +39,7 @@ WORKER_HEADER = "x-kvroute-worker"
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 _BROKEN_STREAM = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ValueError)
 _decoder = msgspec.json.Decoder()
+_DRAIN_TIMEOUT_S = 1.0
 _CLIENT_GONE = 499  # status recorded when the client closed the connection mid-stream
 
 
@@ -165,6 +166,8 @@ async def _relay_stream(
     attempt.status = 200
     error = await _pump(client, resp, attempt, config, deadline, first)
     attempt.e2e_s = time.perf_counter() - attempt.started
+    if error is None:
+        await _drain(resp)
     if attempt.status == _CLIENT_GONE:
         return client
     attempt.ok = error is None
@@ -207,6 +210,15 @@ async def _pump(
             return f"The worker's stream broke: {exc!r}"
         if not event:
             return "The worker ended the stream early."
+
+
+async def _drain(resp: aiohttp.ClientResponse) -> None:
+    """Read what follows ``[DONE]`` (the end of the chunked body) so that the connection
+    goes back to the pool instead of being closed."""
+    with contextlib.suppress(TimeoutError, *_BROKEN_STREAM):
+        async with asyncio.timeout(_DRAIN_TIMEOUT_S):
+            while await resp.content.readany():
+                pass
 
 
 async def _next_event(resp: aiohttp.ClientResponse, deadline: float) -> bytes:
