@@ -48,6 +48,7 @@ class FakeWorker:
     started: asyncio.Event = field(default_factory=asyncio.Event)  # a request arrived
     url: str = ""
     runner: web.AppRunner | None = None
+    connections: set[int] = field(default_factory=set)  # distinct client connections seen
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -91,6 +92,7 @@ class FakeWorker:
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.connections.add(id(request.transport))
         self.started.set()
         mode = self.behaviour.mode
         if mode == "http_500":

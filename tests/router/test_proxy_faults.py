@@ -244,3 +244,19 @@ async def _until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("condition not met")
         await asyncio.sleep(0.02)
+
+
+def test_streaming_requests_reuse_the_pooled_upstream_connection() -> None:
+    async def main() -> None:
+        async with (
+            fake_workers(FakeBehaviour()) as (worker,),
+            running_router(router_config([worker])) as (_, url),
+            aiohttp.ClientSession() as session,
+        ):
+            for _ in range(10):
+                async with session.post(url + "/v1/completions", json=STREAM_BODY) as resp:
+                    await resp.read()
+            assert len(worker.bodies) == 10
+            assert len(worker.connections) == 1
+
+    run(main())
