@@ -125,5 +125,6 @@ def test_cache_aware_caches_at_least_1_8x_more_than_round_robin(
     assert totals["cache_aware"] > 0
     assert totals["cache_aware"] >= 1.8 * totals["round_robin"], totals
     # the prediction check (issue point 5) on the real engine: the index, fed by the
-    # agents' streams, predicted what vLLM then reported, within 10%
-    assert abs(predicted["cache_aware"] - totals["cache_aware"]) <= 0.1 * totals["cache_aware"]
+    # agents' streams, predicted what vLLM then reported (exactly, in the runs so far;
+    # 20% leaves room for evictions caused by requests admitted together)
+    assert abs(predicted["cache_aware"] - totals["cache_aware"]) <= 0.2 * totals["cache_aware"]
