@@ -89,8 +89,7 @@ def walk_tiered(
             seg_g = seg_c = seg_d = -1
             seg_len = 0
             if i:
-                for slot in slots_of(alive & ~held):
-                    _record_one(result, slot_to_worker, slot, i, counts)
+                _record_split(result, slot_to_worker, alive & ~held, i, counts)
             alive = held
             if not alive:
                 return result
@@ -100,8 +99,7 @@ def walk_tiered(
             counts.add(seg_g, seg_c, seg_d, seg_len, alive)
             seg_g, seg_c, seg_d, seg_len = g, c, d, 1
     counts.add(seg_g, seg_c, seg_d, seg_len, alive)
-    for slot in slots_of(alive):
-        _record_one(result, slot_to_worker, slot, len(hashes), counts)
+    _record_split(result, slot_to_worker, alive, len(hashes), counts)
     return result
 
 
@@ -129,8 +127,7 @@ def _walk_gpu_predicted(
                 counts.add(seg_g, 0, 0, seg_len, alive)
                 seg_g, seg_len = -1, 0
                 if i:
-                    for slot in slots_of(alive & ~held):
-                        _record_one(result, slot_to_worker, slot, i, counts)
+                    _record_split(result, slot_to_worker, alive & ~held, i, counts)
                 alive = held
                 if not alive:
                     return result
@@ -140,8 +137,7 @@ def _walk_gpu_predicted(
             counts.add(seg_g, 0, 0, seg_len, alive)
             seg_g, seg_len = g, 1
     counts.add(seg_g, 0, 0, seg_len, alive)
-    for slot in slots_of(alive):
-        _record_one(result, slot_to_worker, slot, len(hashes), counts)
+    _record_split(result, slot_to_worker, alive, len(hashes), counts)
     return result
 
 
@@ -171,6 +167,10 @@ class _SplitCounts:
                 self.uniform[k] += n
             else:
                 _add_sliced(self.planes[k], mask, n)
+
+    def is_uniform_for(self, mask: int) -> bool:
+        """True when no worker in ``mask`` has a count beyond ``uniform``."""
+        return not any(plane & mask for planes in self.planes for plane in planes)
 
     def of(self, slot: int) -> tuple[int, int, int]:
         """Worker ``slot``'s GPU, CPU and DISK counts. O(planes)."""
@@ -211,18 +211,28 @@ def _add_sliced(planes: list[int], mask: int, n: int) -> None:
         j += 1
 
 
-def _record_one(
+def _record_split(
     result: dict[WorkerId, Overlap],
     slot_to_worker: Sequence[WorkerId | None],
-    slot: int,
+    dropped: int,
     run_length: int,
     counts: _SplitCounts,
 ) -> None:
-    worker = slot_to_worker[slot]
-    if worker is None:  # pragma: no cover - masks never hold a free slot
+    """Record the workers in ``dropped``; they share one Overlap when no segment
+    counted any of them apart (the usual case)."""
+    if counts.is_uniform_for(dropped):
+        g, c, d = counts.uniform
+        shared = Overlap(run_length, g, c, d, run_length - g - c - d)
+        for slot in slots_of(dropped):
+            worker = slot_to_worker[slot]
+            if worker is not None:
+                result[worker] = shared
         return
-    g, c, d = counts.of(slot)
-    result[worker] = Overlap(run_length, g, c, d, run_length - g - c - d)
+    for slot in slots_of(dropped):
+        worker = slot_to_worker[slot]
+        if worker is not None:
+            g, c, d = counts.of(slot)
+            result[worker] = Overlap(run_length, g, c, d, run_length - g - c - d)
 
 
 def _record(
