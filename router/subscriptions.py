@@ -77,6 +77,8 @@ class IndexFeed:
         self.apply_batch(batch)
 
     def on_load(self, report: LoadReport) -> None:
+        if not report.engine_healthy:
+            self._fleet.check_soon()  # the agent saw the engine fail: health-check now
         self._fleet.update_load(
             self.worker_id,
             num_running=report.num_running,
