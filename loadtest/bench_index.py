@@ -20,8 +20,10 @@ Times are CPU seconds of this process (``time.process_time``), see ``_clock``.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
+import os
 import platform
 import statistics
 import time
@@ -255,8 +257,12 @@ def bench_block_size(args: argparse.Namespace, block_size: int) -> dict[str, Any
         "blocks_per_query": blocks_per_sequence,
         "hash_p50_us": percentiles_us(hash_samples)[0],
     }
-    for name, factory in (("ours", PrefixIndex), ("naive", NaiveIndex)):
-        index: _Index = factory()
+    factories: list[tuple[str, Callable[[], _Index]]] = [
+        ("ours", PrefixIndex),
+        ("naive", NaiveIndex),
+    ]
+    for name, factory in factories:
+        index = factory()
         num_blocks, seconds = build(index, workload, system)
         p50, p99 = percentiles_us(time_lookups(index, queries, args.lookups))
         entry: dict[str, Any] = {
@@ -273,7 +279,7 @@ def bench_block_size(args: argparse.Namespace, block_size: int) -> dict[str, Any
             entry["decode_apply_blocks_per_s"] = bench_decode_apply(workload, system)
         del index
         gc.collect()
-        nbytes, built = traced_bytes(lambda f=factory: _built(f(), workload, system))  # type: ignore[misc]
+        nbytes, built = traced_bytes(functools.partial(_built, factory, workload, system))
         entry["bytes_per_block_worker"] = nbytes / max(1, entry["block_worker_entries"])
         del built
         result[name] = entry
@@ -298,7 +304,8 @@ def _entries(index: _Index) -> int:
     return sum(len(blocks) for blocks in index.worker_to_blocks.values())
 
 
-def _built(index: _Index, workload: Workload, system: list[list[int]]) -> _Index:
+def _built(factory: Callable[[], _Index], workload: Workload, system: list[list[int]]) -> _Index:
+    index = factory()
     build(index, workload, system)
     return index
 
@@ -372,7 +379,7 @@ def run(args: argparse.Namespace) -> int:
             "platform": platform.platform(),
             "machine": platform.machine(),
             "python": platform.python_version(),
-            "cpus": _cpu_count(),
+            "cpus": os.cpu_count(),
         },
         "config": {
             "workers": args.workers,
@@ -389,9 +396,3 @@ def run(args: argparse.Namespace) -> int:
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {args.out}")
     return 0
-
-
-def _cpu_count() -> int | None:
-    import os
-
-    return os.cpu_count()
