@@ -109,21 +109,22 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
 def chain_hashes(parent: BlockHash, token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
     """Hashes of the full blocks of ``token_ids``, chained from ``parent``.
 
-    Cost: one mmh3 call per block plus one copy of the tokens, O(len(token_ids)).
+    Cost: one copy of the tokens (~6 ns per token) plus one mmh3 call, one 8-byte
+    ``to_bytes``, one slice and one concatenation per block (~0.2 us per block).
     """
     data = token_bytes(token_ids)
     stride = block_size * _TOKEN_BYTES
     end = (len(token_ids) // block_size) * stride
     # NOTE: plain ints in the loop, one cast at the end: calling the NewType per block
-    # costs about a fifth of the time.
+    # costs about a fifth of the time. ``mmh3_x64_128_utupledigest(data, 0)[0]`` is
+    # ``hash64(data, signed=False)[0]`` (the same bits) through mmh3's fast-call entry
+    # point without keyword parsing: a third less time per block.
     hashes: list[int] = []
     append = hashes.append
     current: int = parent
-    hash64 = mmh3.hash64
+    digest = mmh3.mmh3_x64_128_utupledigest
     for start in range(0, end, stride):
-        current = hash64(
-            current.to_bytes(8, "little") + data[start : start + stride], signed=False
-        )[0]
+        current = digest(current.to_bytes(8, "little") + data[start : start + stride], 0)[0]
         append(current)
     return cast("list[BlockHash]", hashes)
 
