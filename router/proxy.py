@@ -252,20 +252,9 @@ def _token_ids(tokenizer: ModelTokenizer, parsed: ParsedRequest) -> list[int]:
             first_prompt(body["prompt"]),
             add_special_tokens=_flag(body, "add_special_tokens", default=True),
         )
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-    tools = body.get("tools")
-    documents = body.get("documents")
-    return tokenizer.chat_token_ids(
-        body["messages"],
-        add_generation_prompt=_flag(body, "add_generation_prompt", default=True),
-        continue_final_message=_flag(body, "continue_final_message", default=False),
-        add_special_tokens=_flag(body, "add_special_tokens", default=False),
-        tools=tools if isinstance(tools, list) else None,
-        documents=documents if isinstance(documents, list) else None,
-        **kwargs,
-    )
+    # NOTE: one place merges chat_template_kwargs under the request's own fields, as
+    # vLLM does; passing both as keyword arguments here collided on shared names.
+    return tokenizer.chat_request_token_ids(body)
 
 
 def _flag(body: dict[str, Any], key: str, *, default: bool) -> bool:

@@ -161,3 +161,42 @@ def test_models_health_ready_and_metrics() -> None:
             assert 'status="200"' in text
 
     run(main())
+
+
+@pytest.mark.parametrize(
+    ("template_kwargs", "status"),
+    [
+        ({"add_generation_prompt": False}, 200),  # the request's own field wins
+        ({"continue_final_message": False, "documents": None}, 200),
+        ({"tokenize": True}, 400),  # refused as vLLM refuses it
+        ({"chat_template": "{{ 1 }}"}, 400),
+    ],
+)
+def test_chat_template_kwargs_that_name_request_fields_never_crash(
+    template_kwargs: dict[str, Any], status: int
+) -> None:
+    """``chat_template_kwargs`` keys that are also request fields merge as in vLLM
+    (they used to collide with the router's own keyword arguments)."""
+
+    async def main() -> None:
+        async with (
+            fake_workers(FakeBehaviour()) as (worker,),
+            running_router(router_config([worker])) as (_, url),
+            aiohttp.ClientSession() as session,
+        ):
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+                "chat_template_kwargs": template_kwargs,
+            }
+            async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                answer = await resp.json()
+                assert resp.status == status, answer
+            if status == 400:
+                assert _check_error(resp.status, answer, 400)["param"] == "chat_template_kwargs"
+                assert worker.bodies == []
+            else:
+                assert worker.bodies[0]["chat_template_kwargs"] == template_kwargs
+
+    run(main())
