@@ -194,6 +194,20 @@ def test_prediction_is_extended_not_shortened(
     index.check_invariants()
 
 
+def test_predicting_a_block_twice_in_one_call_counts_it_once(
+    index: PrefixIndex, namespace: Namespace, sequences: list[list[int]]
+) -> None:
+    hashes = query(namespace, sequences[0], 3)
+    index.apply(A, span(sequences[0], 0, 1).stored())
+    index.predict(A, [hashes[1], hashes[0], hashes[1], hashes[2], hashes[2]], ttl=2.0, now=1.0)
+    assert index.num_predicted_of(A) == 2  # block 0 held for real, 1 and 2 once each
+    assert index.stats().num_predicted == 2
+    index.check_invariants()
+    index.expire(3.0)
+    assert index.num_predicted_of(A) == 0
+    index.check_invariants()
+
+
 def test_clear_and_remove_worker(
     index: PrefixIndex, namespace: Namespace, sequences: list[list[int]]
 ) -> None:
