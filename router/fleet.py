@@ -244,7 +244,11 @@ class Fleet:
         self, session: aiohttp.ClientSession, worker: FleetWorker, timeout: aiohttp.ClientTimeout
     ) -> int:
         if worker.spec.agent_url is not None:
-            async with session.get(worker.spec.agent_url + "/v1/info", timeout=timeout) as resp:
+            token = self._config.agent_token
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            async with session.get(
+                worker.spec.agent_url + "/v1/info", headers=headers, timeout=timeout
+            ) as resp:
                 resp.raise_for_status()
                 info: dict[str, Any] = await resp.json()
             if not info.get("ready"):  # omitted when false (omit_defaults)

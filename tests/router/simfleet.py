@@ -44,6 +44,7 @@ async def sim_fleet(
     with_agent: bool = True,
     num_gpu_blocks: int = 2048,
     speedup: float = 20.0,
+    agent_token: str | None = None,
 ) -> AsyncIterator[list[SimWorker]]:
     runners: list[web.AppRunner] = []
     workers: list[SimWorker] = []
@@ -67,6 +68,7 @@ async def sim_fleet(
                         engine_url=url,
                         zmq_endpoint=publisher.endpoint,
                         replay_endpoint=publisher.replay_endpoint,
+                        token=agent_token,
                         load_interval_s=0.2,
                         heartbeat_interval_s=0.5,
                     )

@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import aiohttp
+
 from router.app import FLEET, INDEX, SESSION, create_app, start_server
 from router.config import WorkerSpec
 from tests.router.fakes import (
@@ -18,6 +20,7 @@ from tests.router.fakes import (
     run,
     running_router,
 )
+from tests.router.simfleet import sim_fleet
 
 
 def test_probe_registers_namespace_and_unhealthy_worker_leaves_the_index_at_once() -> None:
@@ -120,5 +123,29 @@ def test_worker_waits_for_its_agent_to_finish_the_first_sync() -> None:
                 assert fleet.views()[0].healthy
             finally:
                 await runner.cleanup()
+
+    run(main())
+
+
+def test_token_protected_agent_is_probed_and_streamed_with_the_token() -> None:
+    """The probe's ``/v1/info`` carries the bearer token like the stream does (it used
+    to get 401, so a worker behind a token-protected agent never became routable)."""
+
+    async def main() -> None:
+        async with sim_fleet(1, agent_token="s3cret") as (worker,):
+            config = router_config([], agent_token="s3cret", health_interval_s=0.2)
+            config.workers = [worker.spec()]
+            async with (
+                running_router(config) as (app, url),
+                aiohttp.ClientSession() as session,
+            ):
+                view = app[FLEET].views()[0]
+                assert view.healthy
+                prompt = "token " * 40
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                # the agent's stream (also token-protected) relays the stored blocks
+                await _until(lambda: app[INDEX].num_blocks_of(view.worker_id) > 0)
 
     run(main())
