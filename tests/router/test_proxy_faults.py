@@ -260,3 +260,38 @@ def test_streaming_requests_reuse_the_pooled_upstream_connection() -> None:
             assert len(worker.connections) == 1
 
     run(main())
+
+
+def test_failed_attempt_releases_its_load_before_the_retry() -> None:
+    """The 5xx worker's in-flight load is released before the retry runs, and nothing
+    stays booked once the retried request is done."""
+
+    async def main() -> None:
+        async with (
+            fake_workers(FakeBehaviour(mode="http_500"), FakeBehaviour(mode="hold")) as ws,
+            running_router(router_config(ws)) as (app, url),
+            aiohttp.ClientSession() as session,
+        ):
+            bad, good = ws
+            loads = {w.url: app[FLEET].workers[w.url].view.load for w in ws}  # type: ignore[index]
+            retried = 0
+            for body in (STREAM_BODY, UNARY_BODY, STREAM_BODY, UNARY_BODY):
+                tried_bad = len(bad.bodies)
+                good.started.clear()
+                good.release.clear()
+                task = asyncio.create_task(session.post(url + "/v1/completions", json=body))
+                await asyncio.wait_for(good.started.wait(), 10)
+                if len(bad.bodies) > tried_bad:  # this request failed on bad first
+                    retried += 1
+                    bad_load = loads[bad.url]
+                    assert (bad_load.num_inflight, bad_load.inflight_prefill_tokens) == (0, 0)
+                    assert loads[good.url].num_inflight == 1
+                good.release.set()
+                async with await task as resp:
+                    assert resp.status == 200
+                    await resp.read()
+            assert retried >= 2
+            for load in loads.values():
+                assert (load.num_inflight, load.inflight_prefill_tokens) == (0, 0)
+
+    run(main())
