@@ -8,9 +8,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from router.app import FLEET, INDEX, SESSION, create_app, start_server
 from router.config import WorkerSpec
+from router.fleet import PROVISIONAL_BLOCK_SIZE
 from tests.router.fakes import (
     BLOCK_SIZE,
     MODEL,
@@ -20,6 +22,7 @@ from tests.router.fakes import (
     run,
     running_router,
 )
+from tests.router.simfleet import BLOCK_SIZE as SIM_BLOCK_SIZE
 from tests.router.simfleet import sim_fleet
 
 
@@ -147,5 +150,24 @@ def test_token_protected_agent_is_probed_and_streamed_with_the_token() -> None:
                     assert resp.status == 200
                 # the agent's stream (also token-protected) relays the stored blocks
                 await _until(lambda: app[INDEX].num_blocks_of(view.worker_id) > 0)
+
+    run(main())
+
+
+@pytest.mark.parametrize("use_agent", [True, False], ids=["agent", "direct"])
+def test_simulated_worker_block_size_is_known_before_any_kv_event(use_agent: bool) -> None:
+    """The simulator exports ``vllm:cache_config_info`` like vLLM, so the probe learns
+    the block size (via the agent's ``/v1/info`` or the engine's ``/metrics``) with no
+    ``--block-size`` flag and no event yet, instead of a provisional size."""
+
+    async def main() -> None:
+        async with sim_fleet(1) as (worker,):
+            config = router_config([], health_interval_s=0.2)
+            config.workers = [worker.spec(use_agent=use_agent)]
+            async with running_router(config) as (app, _):
+                view = app[FLEET].views()[0]
+                assert view.healthy
+                assert view.namespace.block_size == SIM_BLOCK_SIZE != PROVISIONAL_BLOCK_SIZE
+                assert app[INDEX].num_blocks_of(view.worker_id) == 0  # no event seen
 
     run(main())

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from tests.worker.sim_harness import TINY, SimServer, running_sim
+from worker.agent.engine_poller import parse_engine_metrics
 
 MODEL = "kvroute-tiny"
 PROMPT = "The simulator must answer like vLLM does, block by block, " * 3  # 177 tokens
@@ -143,6 +144,20 @@ def test_models_health_sources_and_metric_names(sim: SimServer) -> None:
              "vllm:generation_tokens_total", "vllm:e2e_request_latency_seconds_count"]  # fmt: skip
     for name in names:
         assert f"{name}{labels}" in metrics, name
+
+
+def test_metrics_tell_block_size_blocks_and_queued_prefill_as_the_agent_reads_them(
+    sim: SimServer,
+) -> None:
+    """``vllm:cache_config_info`` (as vLLM exports it) gives the agent and router the
+    block size and pool size without waiting for a KV event; the queued-prefill gauge
+    feeds ``LoadReport.prefill_tokens_queued``."""
+    parsed = parse_engine_metrics(get_text(sim, "/metrics"))
+    config = sim.state.scheduler.config
+    assert parsed.block_size == config.block_size == 32
+    assert parsed.num_gpu_blocks == config.num_gpu_blocks
+    assert "kvroute:prefill_tokens_queued" in parsed.families
+    assert parsed.prefill_tokens_queued == 0  # idle
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from worker.sim.engine_hashing import none_hash
+from worker.sim.metrics import prefill_tokens_queued
 from worker.sim.request import RequestStatus, SimRequest
 from worker.sim.scheduler import Scheduler, SchedulerConfig, StepOutput
 from worker.sim.timing import GPU_PROFILES, get_gpu_profile
@@ -139,3 +140,16 @@ def test_timing_grows_with_prefill_tokens_batch_and_context() -> None:
     assert slower.step_seconds([(0, 2048)]) > profile.step_seconds([(0, 2048)])
     with pytest.raises(ValueError, match="known"):
         get_gpu_profile("tpu")
+
+
+def test_prefill_tokens_queued_counts_prompt_tokens_not_yet_computed() -> None:
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=64, block_size=16,
+                                          max_num_batched_tokens=256))  # fmt: skip
+    scheduler.add_request(request("long", 600))
+    scheduler.add_request(request("short", 40, base=100))
+    assert prefill_tokens_queued(scheduler) == 640  # both waiting, nothing computed
+    run_step(scheduler)  # long: 256 of 600
+    assert prefill_tokens_queued(scheduler) == 640 - 256
+    run_step(scheduler)
+    run_step(scheduler)  # long done (88 + first token), short prefilled in the same step
+    assert prefill_tokens_queued(scheduler) == 0  # decoding requests queue no prefill

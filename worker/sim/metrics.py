@@ -5,7 +5,8 @@ Gauges are read from the scheduler at scrape time (no per-step cost); counters a
 histograms are updated by the engine. Times are wall-clock seconds as clients see
 them (simulated time divided by the speed-up). One registry per app.
 
-Simulator-only series use the ``kvroute_sim_`` prefix.
+Simulator-only series use the ``kvroute_sim_`` prefix, except
+``kvroute:prefill_tokens_queued``, which the agent reads as any engine's.
 """
 
 from __future__ import annotations
@@ -35,15 +36,58 @@ LATENCY_BUCKETS = (
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
+# NOTE: agent engine_poller reads this name; vLLM has no such gauge.
+PREFILL_TOKENS_QUEUED = "kvroute:prefill_tokens_queued"
+
+
+def prefill_tokens_queued(scheduler: Scheduler) -> int:
+    """Tokens still to prefill across waiting and running requests.
+
+    A request still in its prompt counts its prompt tokens not yet computed; a preempted
+    request (recompute) counts its whole sequence but the last token, which its next
+    decode step computes. Prefix-cache hits of a request not yet admitted are unknown
+    here (as to the engine) and counted as to prefill. Cost: O(waiting + running).
+    """
+    total = 0
+    for requests in (scheduler.waiting, scheduler.running):
+        for request in requests:
+            end = request.num_tokens - 1 if request.num_output_tokens else request.num_tokens
+            total += max(0, end - request.num_computed_tokens)
+    return total
+
+
+def cache_config_labels(scheduler: Scheduler) -> dict[str, str]:
+    """``vllm:cache_config_info`` labels: vLLM's ``CacheConfig.metrics_info()`` names
+    (``str()`` of each value, as vLLM writes them) for the fields the simulator has."""
+    config = scheduler.config
+    return {
+        "block_size": str(config.block_size),
+        "num_gpu_blocks": str(config.num_gpu_blocks),
+        "num_cpu_blocks": "None",
+        "enable_prefix_caching": str(config.enable_caching),
+        "cache_dtype": "auto",
+        "engine": "0",
+    }
+
+
 class _SchedulerGauges(Collector):
-    """Running/waiting requests and KV usage, read when scraped."""
+    """Running/waiting requests, KV usage and queued prefill, read when scraped; the
+    cache config as an info gauge (always 1), as vLLM exports it."""
 
     def __init__(self, scheduler: Scheduler, labels: list[str]) -> None:
         self._scheduler = scheduler
         self._labels = labels
+        self._cache_config = cache_config_labels(scheduler)
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         scheduler = self._scheduler
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=list(self._cache_config),
+        )
+        info.add_metric(list(self._cache_config.values()), 1.0)
+        yield info
         for name, doc, value in (
             ("vllm:num_requests_running", "Number of requests in model execution batches.",
              len(scheduler.running)),
@@ -51,6 +95,8 @@ class _SchedulerGauges(Collector):
              len(scheduler.waiting)),
             ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
              scheduler.kv.usage()),
+            (PREFILL_TOKENS_QUEUED, "Prompt tokens still to prefill (waiting + running).",
+             prefill_tokens_queued(scheduler)),
         ):  # fmt: skip
             family = GaugeMetricFamily(name, doc, labels=list(LABELS))
             family.add_metric(self._labels, float(value))
