@@ -28,6 +28,8 @@ from router.scheduling.types import WorkerId
 
 _TOKEN_SCALE = 1000.0
 _RUNNING_SCALE = 10.0
+TOKEN_SCALE = _TOKEN_SCALE  # for callers that inline ``predict_ttft`` (cache_aware)
+RUNNING_SCALE = _RUNNING_SCALE
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,12 +10,19 @@ import pytest
 
 from kvindex.hashing import Namespace, hash_prompt
 from kvindex.index import PrefixIndex
-from router.scheduling.cost_model import TierCosts, effective_uncached_tokens, hit_tokens
+from router.scheduling.cost_model import (
+    TierCosts,
+    effective_uncached_tokens,
+    expected_ttft,
+    hit_tokens,
+)
 from router.scheduling.policies.cache_aware import CacheAwarePolicy
+from router.scheduling.policy import PickContext
 from router.scheduling.scheduler import Scheduler
 from tests.router.test_scheduling_policies import (
     BLOCK,
     MODEL,
+    NS,
     finish,
     make_fleet,
     request,
@@ -176,3 +183,42 @@ def test_scores_are_seconds_from_learned_rates() -> None:
         decision = sched.pick(request(tokens(seed, 10 * BLOCK)), workers)
         assert decision is not None and decision.worker_id == "w1"
         finish(sched, decision)
+
+
+def test_inlined_scores_equal_the_cost_model_bit_for_bit() -> None:
+    """``expected_ttfts`` inlines ``cost_model.expected_ttft``; both must agree exactly,
+    for learned and unseen workers, every tier, and workers sharing an Overlap."""
+    index, workers = make_fleet(6)
+    prompt = tokens(3, 12 * BLOCK + 5)
+    store(index, "w0", prompt[: 4 * BLOCK])
+    store(index, "w1", prompt[: 4 * BLOCK])  # same run as w0: one shared Overlap
+    store(index, "w2", prompt[: 2 * BLOCK], medium="CPU")
+    store(index, "w3", prompt[: 8 * BLOCK])
+    index.predict(workers[4].worker_id, hash_prompt(NS, prompt)[:6], ttl=5.0, now=0.0)
+    rng = random.Random(5)
+    for worker in workers:
+        load = worker.load
+        load.num_running, load.num_inflight = rng.randrange(0, 9), rng.randrange(0, 9)
+        load.prefill_tokens_queued = rng.randrange(0, 5000)
+        load.inflight_prefill_tokens = rng.randrange(0, 700)
+    sched = scheduler(index, "cache_aware", added_work_weight=0.3)
+    sched.rates.observe(workers[3].worker_id, prefill_tokens=900, num_running=2, ttft_s=0.4)
+    policy = sched.policy
+    assert isinstance(policy, CacheAwarePolicy)
+    ctx = PickContext(
+        request(prompt), workers, index=index, rates=sched.rates, rng=random.Random(0),
+        now=0.0, resolve_namespace=sched.effective_namespace,
+    )  # fmt: skip
+    overlaps = ctx.overlaps(workers[0])
+    assert overlaps["w0"] == overlaps["w1"]
+    expected = [
+        expected_ttft(
+            sched.rates.rates_of(w.worker_id),
+            w.load,
+            effective_uncached_tokens(overlaps.get(w.worker_id), BLOCK, len(prompt), policy.costs),
+            0.3,
+        )
+        for w in workers
+    ]
+    assert policy.expected_ttfts(ctx) == expected
+    assert len(set(expected)) == len(workers)  # the case is not degenerate

@@ -28,7 +28,7 @@ import math
 from collections.abc import Mapping
 
 from kvindex.index import Overlap
-from router.scheduling.cost_model import TierCosts, effective_uncached_tokens, expected_ttft
+from router.scheduling.cost_model import TierCosts, effective_uncached_tokens
 from router.scheduling.policy import (
     BasePolicy,
     ParamSpec,
@@ -37,6 +37,7 @@ from router.scheduling.policy import (
     PolicySpec,
     argmin_random_tie,
 )
+from router.scheduling.rates import RUNNING_SCALE, TOKEN_SCALE, WorkerRates
 from router.scheduling.types import WorkerId, WorkerView
 
 
@@ -66,27 +67,54 @@ class CacheAwarePolicy(BasePolicy):
         return argmin_random_tie(candidates, scores, ctx.rng)
 
     def expected_ttfts(self, ctx: PickContext) -> list[float]:
-        """Scores (seconds) per candidate, in candidate order."""
+        """Scores (seconds) per candidate, in candidate order.
+
+        Equal, bit for bit, to ``cost_model.expected_ttft(rates, load, uncached,
+        added_work_weight)`` per candidate (a test checks it). NOTE: that formula is
+        inlined here (same operations, same order) because the calls cost more than
+        the arithmetic: this loop runs once per worker per request. The index shares
+        one ``Overlap`` among workers with the same run, so the uncached work is
+        computed once per distinct (overlap, block size), not once per worker.
+        """
         num_prompt_tokens = len(ctx.request.prompt_token_ids)
-        rates_of = ctx.rates.rates_of
+        learner = ctx.rates
+        worker_to_rates = learner.worker_to_rates
+        shared_rates: WorkerRates | None = None  # what every unseen worker reads
         costs = self.costs
-        weight = self.added_work_weight
-        scores = []
+        factor = 1.0 + self.added_work_weight
+        scores: list[float] = []
+        append = scores.append
         root_to_overlaps: dict[int, dict[WorkerId, Overlap]] = {}  # one lookup per namespace
+        # (id of the Overlap or of None, block size) -> uncached tokens; the overlaps
+        # live in ``root_to_overlaps`` for the whole loop, so ids are not reused.
+        uncached_memo: dict[tuple[int, int], float] = {}
         for worker in ctx.candidates:
-            root = worker.namespace.root
-            overlaps = root_to_overlaps.get(root)
+            namespace = worker.namespace
+            overlaps = root_to_overlaps.get(namespace.root)
             if overlaps is None:
-                overlaps = root_to_overlaps[root] = ctx.overlaps(worker)
-            overlap = overlaps.get(worker.worker_id)
-            uncached = (
-                float(num_prompt_tokens)
-                if overlap is None
-                else effective_uncached_tokens(
-                    overlap, worker.namespace.block_size, num_prompt_tokens, costs
+                overlaps = root_to_overlaps[namespace.root] = ctx.overlaps(worker)
+            worker_id = worker.worker_id
+            overlap = overlaps.get(worker_id)
+            key = (id(overlap), namespace.block_size)
+            uncached = uncached_memo.get(key)
+            if uncached is None:
+                uncached = uncached_memo[key] = (
+                    float(num_prompt_tokens)
+                    if overlap is None
+                    else effective_uncached_tokens(
+                        overlap, namespace.block_size, num_prompt_tokens, costs
+                    )
                 )
+            rates = worker_to_rates.get(worker_id)
+            if rates is None:
+                rates = shared_rates = shared_rates or learner.rates_of(worker_id)
+            theta = rates.theta
+            load = worker.load
+            work = load.prefill_tokens_queued + load.inflight_prefill_tokens + uncached * factor
+            running = max(load.num_running, load.num_inflight)
+            append(
+                theta[0] + theta[1] * (work / TOKEN_SCALE) + theta[2] * (running / RUNNING_SCALE)
             )
-            scores.append(expected_ttft(rates_of(worker.worker_id), worker.load, uncached, weight))
         return scores
 
     def _sample(self, ctx: PickContext, scores: list[float]) -> WorkerView:
