@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -92,9 +93,14 @@ def sweep_table(rows: Sequence[tuple[float, RunSummary]]) -> str:
     return "\n".join(lines)
 
 
-def goodput_table(policy_to_goodput: dict[str, float], slo_s: float) -> str:
-    lines = [f"| policy | goodput (x trace rate, TTFT p90 <= {slo_s:g} s) |", "|---|---:|"]
-    lines += [f"| {policy} | {value:g} |" for policy, value in policy_to_goodput.items()]
+def goodput_table(policy_to_goodputs: dict[str, dict[str, float]], slos: Sequence[float]) -> str:
+    """Goodput (x the trace's rate) per policy, one column per TTFT p90 SLO."""
+    header = " | ".join(f"goodput, TTFT p90 <= {slo:g} s" for slo in slos)
+    lines = [f"| policy | {header} |", "|---|" + "---:|" * len(slos)]
+    for policy, by_slo in policy_to_goodputs.items():
+        lines.append(
+            f"| {policy} | " + " | ".join(f"{by_slo[f'{slo:g}']:g}" for slo in slos) + " |"
+        )
     return "\n".join(lines)
 
 
@@ -108,6 +114,7 @@ def plot_sweep(rows: Sequence[tuple[float, RunSummary]], out_dir: Path, slo_s: f
         if name == "p90":
             ax.axhline(slo_s, color="black", linestyle="--", linewidth=1, label=f"SLO {slo_s:g} s")
         ax.set_yscale("log")
+        ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
         ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
         ax.yaxis.set_minor_formatter(ticker.NullFormatter())
         ax.set_xlabel("offered load (x the trace's request rate)")
@@ -165,7 +172,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=131072,
         help="simulated context limit (the trace's prompts reach 126K tokens)",
     )
-    parser.add_argument("--slo-ttft-p90-s", type=float, default=2.0)
+    parser.add_argument(
+        "--slo-ttft-p90-s",
+        default="3,5",
+        help="TTFT p90 SLOs (seconds, comma-separated) for goodput; the first is drawn in the plot",
+    )
+    parser.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        help="re-render the report from a sweep.json instead of running",
+    )
     parser.add_argument("--num-gpu-blocks", type=int, default=None)
     parser.add_argument("--worker-arg", action="append", default=[])
     parser.add_argument("--router-arg", action="append", default=[])
@@ -223,47 +240,82 @@ def run_sweep(args: argparse.Namespace) -> dict[str, object]:
             runs = run_policies(fleet, requests, config, ceiling)
             rows += [(load, run.summary) for run in runs.values()]
             print(sweep_table([row for row in rows if row[0] == load]), flush=True)
-    policy_to_goodput = {
-        p: goodput({load: s.ttft_p90 for load, s in rows if s.policy == p}, args.slo_ttft_p90_s)
-        for p in policies
-    }
     return {
         "rows": rows,
-        "goodput": policy_to_goodput,
         "ceiling": ceiling,
         "capacity_blocks": capacity,
         "wall_s": time.monotonic() - started,
     }
 
 
+def goodputs(
+    rows: Sequence[tuple[float, RunSummary]], slos: Sequence[float]
+) -> dict[str, dict[str, float]]:
+    """Per policy (in run order), per SLO (seconds, as text), its goodput."""
+    policies = list(dict.fromkeys(s.policy for _, s in rows))
+    return {
+        p: {
+            f"{slo:g}": goodput({load: s.ttft_p90 for load, s in rows if s.policy == p}, slo)
+            for slo in slos
+        }
+        for p in policies
+    }
+
+
+def write_sweep_report(
+    out_dir: Path, result: dict[str, Any], slos: Sequence[float], header: str
+) -> str:
+    """Write sweep.md, sweep.json and the plots from a sweep ``result``; returns the Markdown."""
+    rows: list[tuple[float, RunSummary]] = result["rows"]
+    table = goodputs(rows, slos)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot_sweep(rows, out_dir, slos[0])
+    markdown = (
+        f"{header}\n- ceiling (one LRU cache, {result['capacity_blocks']} blocks): "
+        f"{result['ceiling']:.3f}\n- wall time: {result['wall_s']:.0f} s\n\n"
+        f"{sweep_table(rows)}\n\n{goodput_table(table, slos)}\n\n"
+        "![TTFT vs load](ttft_vs_load.png)\n![hit ratio vs load](hit_ratio_vs_load.png)\n"
+    )
+    (out_dir / "sweep.md").write_text(markdown, encoding="utf-8")
+    payload = {
+        **{k: v for k, v in result.items() if k != "rows"},
+        "rows": [{"load": load, **dataclasses.asdict(s)} for load, s in rows],
+        "goodput": table,
+    }
+    text = json.dumps(without_nan(payload), indent=1, default=str, allow_nan=False)
+    (out_dir / "sweep.json").write_text(text, "utf-8")
+    return markdown
+
+
+def read_sweep(path: Path) -> dict[str, Any]:
+    """A sweep.json back into a result (rows as ``(load, RunSummary)``; null -> NaN)."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    names = {f.name for f in dataclasses.fields(RunSummary)}
+    rows = []
+    for row in data["rows"]:
+        values: dict[str, Any] = {
+            k: (math.nan if v is None else v) for k, v in row.items() if k in names
+        }
+        rows.append((float(row["load"]), RunSummary(**values)))
+    return {**data, "rows": rows}
+
+
 def run(args: argparse.Namespace) -> int:
+    slos = [float(x) for x in str(args.slo_ttft_p90_s).split(",")]
+    header = (
+        f"# kvroute sweep: {args.workers} simulated workers, Mooncake trace, "
+        f"{args.num_requests} requests\n\n- command: kvroute sweep {' '.join(sys.argv[2:])}"
+    )
     try:
-        result = run_sweep(args)
+        if args.render is not None:
+            result = read_sweep(args.render)
+            header = f"# kvroute sweep (re-rendered from {args.render.name})\n"
+            header += "".join(f"\n- {line}" for line in result.get("notes", []))
+        else:
+            result = run_sweep(args)
+            result["args"] = {k: str(v) for k, v in vars(args).items()}
     except (ValueError, OSError, FleetError) as exc:
         print(f"kvroute sweep: error: {exc}", file=sys.stderr)
         return 1
-    rows: list[tuple[float, RunSummary]] = result["rows"]  # type: ignore[assignment]
-    policy_to_goodput: dict[str, float] = result["goodput"]  # type: ignore[assignment]
-    args.out.mkdir(parents=True, exist_ok=True)
-    plot_sweep(rows, args.out, args.slo_ttft_p90_s)
-    markdown = (
-        f"# kvroute sweep: {args.workers} simulated workers, Mooncake trace, "
-        f"{args.num_requests} requests\n\n- command: kvroute sweep {' '.join(sys.argv[2:])}\n"
-        f"- ceiling (one LRU cache, {result['capacity_blocks']} blocks): "
-        f"{result['ceiling']:.3f}\n- wall time: {result['wall_s']:.0f} s\n\n"
-        f"{sweep_table(rows)}\n\n{goodput_table(policy_to_goodput, args.slo_ttft_p90_s)}\n\n"
-        "![TTFT vs load](ttft_vs_load.png)\n![hit ratio vs load](hit_ratio_vs_load.png)\n"
-    )
-    (args.out / "sweep.md").write_text(markdown, encoding="utf-8")
-    payload = {
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "rows": [{"load": load, **dataclasses.asdict(s)} for load, s in rows],
-        "goodput": policy_to_goodput,
-        "ceiling": result["ceiling"],
-        "capacity_blocks": result["capacity_blocks"],
-        "wall_s": result["wall_s"],
-    }
-    text = json.dumps(without_nan(payload), indent=1, default=str, allow_nan=False)
-    (args.out / "sweep.json").write_text(text, "utf-8")
-    print(markdown)
+    print(write_sweep_report(args.out, result, slos, header))
     return 0

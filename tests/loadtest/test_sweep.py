@@ -36,6 +36,13 @@ def test_tiny_sweep_writes_table_plots_and_goodput(tmp_path: Path) -> None:
     assert all(row["num_failed"] == 0 and row["num_requests"] == 16 for row in data["rows"])
     assert set(data["goodput"]) == {"round_robin", "cache_aware"}
     markdown = (tmp_path / "sweep" / "sweep.md").read_text()
-    assert "| policy | goodput" in markdown
+    assert "| policy | goodput, TTFT p90 <= 3 s | goodput, TTFT p90 <= 5 s |" in markdown
+    # re-rendering from the JSON reproduces the tables
+    again = parser.parse_args([
+        "--render", str(tmp_path / "sweep" / "sweep.json"), "--out", str(tmp_path / "again"),
+    ])  # fmt: skip
+    assert sweep.run(again) == 0
+    rerendered = (tmp_path / "again" / "sweep.md").read_text()
+    assert rerendered.split("| load", 1)[1] == markdown.split("| load", 1)[1]
     for name in ("ttft_vs_load.png", "hit_ratio_vs_load.png"):
         assert (tmp_path / "sweep" / name).stat().st_size > 10_000
