@@ -251,7 +251,7 @@ class Fleet:
             ) as resp:
                 resp.raise_for_status()
                 info: dict[str, Any] = await resp.json()
-            if not info.get("ready"):  # omitted when false (omit_defaults)
+            if not info.get("ready"):
                 # its snapshot would be partial while it replays the engine's history
                 raise ValueError("agent not ready (first sync with the engine pending)")
             if info.get("block_size"):

@@ -74,9 +74,8 @@ class FakeWorker:
 
     async def _agent_info(self, request: web.Request) -> web.Response:
         info: dict[str, Any] = {"models": [MODEL], "block_size": BLOCK_SIZE,
-                                "engine_url": self.url, "epoch": 1}  # fmt: skip
-        if self.behaviour.agent_ready:  # the agent omits false defaults
-            info["ready"] = True
+                                "engine_url": self.url, "epoch": 1,
+                                "ready": self.behaviour.agent_ready}  # fmt: skip
         return web.json_response(info)
 
     async def _models(self, request: web.Request) -> web.Response:

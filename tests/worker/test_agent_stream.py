@@ -12,9 +12,11 @@ import aiohttp
 import pytest
 
 from kvindex.agent_protocol import (
+    AgentMessage,
     Heartbeat,
     LiveBatch,
     LoadReport,
+    MessageStreamDecoder,
     Snapshot,
     decode_info,
 )
@@ -330,6 +332,62 @@ def test_ready_waits_for_a_healthy_engine() -> None:
                         assert "engine unhealthy" in (await r.json())["error"]["message"]
                 engine.healthy = True
                 await wait_until(lambda: ready(agent_url), what="ready")
+        finally:
+            await engine.stop()
+
+    run(test)
+
+
+
+async def read_until_index_message(agent_url: str, messages: list[AgentMessage]) -> None:
+    """Collect stream messages into ``messages`` up to the first snapshot or batch."""
+    decoder = MessageStreamDecoder()
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{agent_url}/v1/kv/stream") as r,
+    ):
+        async for chunk in r.content.iter_any():
+            for message in decoder.feed(chunk):
+                messages.append(message)
+                if isinstance(message, Snapshot | LiveBatch):
+                    return
+
+
+def test_info_states_ready_false_and_a_stream_waits_for_the_first_sync() -> None:
+    """Before the first sync with the engine the agent's set is partial (live batches
+    seen, the engine's earlier history not replayed yet). ``/v1/info`` says ``ready:
+    false`` explicitly, and a client connected meanwhile gets heartbeats only; its first
+    snapshot, once synced, holds the engine's whole history."""
+
+    async def test() -> None:
+        engine = FakeEngine()
+        engine.healthy = False
+        await engine.start()
+        try:
+            await engine.publish([chain(1, 3)], drop=True)  # before the agent: replay only
+            hashes = {1, 2, 3}
+            config = agent_config(engine, heartbeat_interval_s=0.05, load_interval_s=0.1)
+            async with running_agent(config) as agent_url, aiohttp.ClientSession() as session:
+                async with session.get(f"{agent_url}/v1/info") as r:
+                    info = await r.json()
+                assert info["ready"] is False and info["engine_healthy"] is False
+                messages: list[AgentMessage] = []
+                reader = asyncio.create_task(read_until_index_message(agent_url, messages))
+                for first_hash in range(10, 1010, 10):  # until the agent has seen one
+                    await engine.publish([chain(first_hash, 2)])
+                    hashes |= {first_hash, first_hash + 1}
+                    if await metric_positive(agent_url, "kvroute_agent_live_blocks"):
+                        break
+                num_before = len(messages)
+                await wait_until(lambda: len(messages) >= num_before + 3, what="heartbeats")
+                assert all(isinstance(m, Heartbeat | LoadReport) for m in messages), messages
+                engine.healthy = True
+                await asyncio.wait_for(reader, 10)
+                snapshot = messages[-1]
+                assert isinstance(snapshot, Snapshot), messages
+                assert {h for e in snapshot.events for h in e.block_hashes} == hashes
+                async with session.get(f"{agent_url}/v1/info") as r:
+                    assert (await r.json())["ready"] is True
         finally:
             await engine.stop()
 

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvindex.agent_protocol import AgentInfo, encode_info
+from kvindex.agent_protocol import AgentInfo
 from worker.agent.engine_poller import EnginePoller
 from worker.agent.errors import openai_error
 from worker.agent.metrics import AgentMetrics
@@ -161,7 +162,11 @@ async def _handle_info(request: web.Request) -> web.Response:
         engine_healthy=state.engine_healthy,
         ready=state.ready,
     )
-    return web.Response(body=encode_info(info), content_type="application/json")
+    # NOTE: AgentInfo omits default fields; ``ready`` and ``engine_healthy`` are always
+    # sent, so a false is stated, not implied by absence (routers check ``ready``).
+    body: dict[str, object] = msgspec.to_builtins(info)
+    body.update(ready=info.ready, engine_healthy=info.engine_healthy)
+    return web.Response(body=msgspec.json.encode(body), content_type="application/json")
 
 
 async def _handle_health(request: web.Request) -> web.Response:

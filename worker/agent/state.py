@@ -51,6 +51,7 @@ class AgentState:
         self.load_version = 0  # incremented per LoadReport, so streams send each once
         self.engine_healthy = False
         self.synced = False  # first sync with the engine's replay buffer done
+        self.ever_synced = False  # some epoch of this agent's life was synced
         self.closing = False  # the app is shutting down; streams end
         self.pending_epoch_reason: str | None = None  # set by the poller, consumed by writer
         self.num_subscribers = 0
@@ -101,6 +102,14 @@ class AgentState:
     def ready(self) -> bool:
         return self.engine_healthy and self.synced
 
+    @property
+    def set_is_complete(self) -> bool:
+        """Whether the set may go to stream clients: synced this epoch, or known empty
+        (the engine went down after a sync, its cache is gone). False while a first sync
+        is pending or running: the set would be partial, and a router indexing it would
+        route on missing blocks until the next resync."""
+        return self.synced or (self.ever_synced and not self.engine_healthy)
+
     # --- writer (the subscriber task) ------------------------------------------------
 
     def apply_engine_batch(self, batch: EventBatch, engine_seq: int | None) -> LiveBatch:
@@ -112,6 +121,11 @@ class AgentState:
             self.block_size = _first_block_size(batch)
         self.notify()
         return live
+
+    def mark_synced(self) -> None:
+        """The engine's history this epoch is in the set (first sync done)."""
+        self.synced = self.ever_synced = True
+        self.notify()
 
     def begin_epoch(self) -> None:
         """The engine's cache is gone (restart): empty set, new epoch, seq 0."""

@@ -1,6 +1,7 @@
 """``GET /v1/kv/stream``: the resumable stream of the worker's block set and load.
 
-One loop per client: take the state's change event, send what the client lacks (a
+One loop per client: take the state's change event, wait (heartbeats meanwhile) until
+the agent's first sync with the engine is done, send what the client lacks (a
 snapshot if its cursor cannot be resumed from the buffer, else the buffered batches
 after it, plus the latest load report if new), then wait for the next change or send a
 heartbeat after ``heartbeat_interval_s`` of silence. A client too slow for the buffer
@@ -75,13 +76,17 @@ class StreamHandler:
         while not state.closing:
             changed = state.changed()  # before reading the state: no lost wakeups
             chunks: list[bytes] = []
-            frames = None if cursor is None else state.frames_after(*cursor)
-            if frames is None:
-                chunks.append(state.snapshot_frame())
-                self._metrics.snapshots_served.inc()
-            else:
-                chunks.extend(frames)
-            cursor = (state.epoch, state.seq)
+            # NOTE: until the first sync with the engine is done the set is partial (the
+            # replay is still arriving): a client gets no snapshot or batch until then,
+            # only heartbeats and load reports, so no router indexes a partial set.
+            if state.set_is_complete:
+                frames = None if cursor is None else state.frames_after(*cursor)
+                if frames is None:
+                    chunks.append(state.snapshot_frame())
+                    self._metrics.snapshots_served.inc()
+                else:
+                    chunks.extend(frames)
+                cursor = (state.epoch, state.seq)
             if state.last_load is not None and state.load_version != load_version_sent:
                 chunks.append(encode_message(state.last_load))
                 load_version_sent = state.load_version

@@ -103,8 +103,7 @@ class EngineSubscriber:
         if self._replay_endpoint is not None:
             last = self._last_engine_seq
             await self._replay(start=0 if last is None else last + 1)
-        self._state.synced = True
-        self._state.notify()
+        self._state.mark_synced()
 
     async def _on_live_frames(self, frames: list[bytes]) -> None:
         seq = _seq_of(frames)
