@@ -33,7 +33,7 @@ from __future__ import annotations
 import heapq
 import sys
 from collections.abc import Iterable, Sequence
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 from operator import and_, is_, lt, not_, or_
 from typing import cast
 
@@ -119,12 +119,24 @@ class PrefixIndex(IndexState):
             self.apply(worker, event, now)
 
     def predict(
-        self, worker: WorkerId, hashes: Sequence[BlockHash], ttl: float, now: float
+        self,
+        worker: WorkerId,
+        hashes: Sequence[BlockHash],
+        ttl: float,
+        now: float,
+        *,
+        num_leading_held: int = 0,
     ) -> None:
         """Mark ``hashes`` as about to be held by ``worker`` until ``now + ttl``.
 
         Blocks it already holds are skipped; an existing prediction is only extended.
         A later BlockStored of a block confirms it (turns it real). O(len(hashes)).
+
+        ``num_leading_held``: the caller's knowledge, from a ``lookup`` at this same
+        ``now`` with no event since, that ``worker`` holds the first that many
+        ``hashes`` (real or predicted). Those are not probed in the big tier maps: a
+        worker never holds a block both ways, so among them exactly the predicted
+        ones need extending. A wrong hint skips or extends the wrong blocks.
 
         NOTE: the filters run in C (``map`` of dict probes, ``compress``), and new
         predictions go in with ``dict.update``: ~3x cheaper than a Python loop per
@@ -140,13 +152,19 @@ class PrefixIndex(IndexState):
             return
         gpu, cpu, disk, predicted = self._layers
         bit = state.bit
+        predicted_until = state.predicted_until
+        head: Iterable[BlockHash] = ()
+        if num_leading_held > 0:
+            leading = hashes[:num_leading_held]
+            head = compress(leading, map(predicted_until.__contains__, leading))
+            hashes = hashes[num_leading_held:]
         held: Iterable[int] = map(gpu.get, hashes, repeat(0))
         for tier in (cpu, disk):
             if tier:
                 held = map(or_, held, map(tier.get, hashes, repeat(0)))
         # our hashes the worker does not hold for real, each once, in order
-        candidates = dict.fromkeys(compress(hashes, map(not_, map(and_, held, repeat(bit)))))
-        predicted_until = state.predicted_until
+        tail = compress(hashes, map(not_, map(and_, held, repeat(bit))))
+        candidates = dict.fromkeys(chain(head, tail))
         if predicted_until:
             olds = list(map(predicted_until.get, candidates, repeat(_ABSENT)))
             new = list(compress(candidates, map(is_, olds, repeat(_ABSENT))))

@@ -205,11 +205,20 @@ class Scheduler:
             load=load,
         )
         # Blocks of the leading run the worker really holds need no prediction; skipping
-        # them makes a cache hit's commit cheaper (predicted ones are renewed).
-        start = overlap.num_blocks if overlap is not None and not overlap.num_predicted else 0
+        # them makes a cache hit's commit cheaper. Predicted ones in the run are renewed:
+        # the index is told the run is held, so it finds them without probing its tiers
+        # (the lookup ran at this same `now`, and nothing changed the index since).
+        run = overlap.num_blocks if overlap is not None else 0
+        start = 0 if overlap is None or overlap.num_predicted else run
         if len(hashes) > start and self.prediction_ttl_s > 0:
             suffix = hashes[start:] if start else hashes
-            self.index.predict(chosen.worker_id, suffix, self.prediction_ttl_s, now)
+            self.index.predict(
+                chosen.worker_id,
+                suffix,
+                self.prediction_ttl_s,
+                now,
+                num_leading_held=run - start,
+            )
         load.num_inflight += 1
         load.inflight_prefill_tokens += uncached
         return decision

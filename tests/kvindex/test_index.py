@@ -208,6 +208,31 @@ def test_predicting_a_block_twice_in_one_call_counts_it_once(
     index.check_invariants()
 
 
+def test_predict_with_the_lookup_run_as_hint_equals_predict_without(
+    namespace: Namespace, sequences: list[list[int]]
+) -> None:
+    """The scheduler passes the chosen worker's run from the lookup; the index must
+    end up exactly as if it had probed every block itself."""
+    s0 = sequences[0]
+    hashes = query(namespace, s0, 8)
+    twins = []
+    for hinted in (False, True):
+        twin = PrefixIndex()
+        twin.add_worker(A, namespace)
+        twin.add_worker(B, namespace)
+        twin.apply(A, span(s0, 0, 7).stored())
+        twin.apply(A, span(s0, 3, 3).removed())  # keeps 0-2 and, past a hole, 6
+        twin.predict(A, hashes[:5], ttl=2.0, now=1.0)  # blocks 3-4 predicted
+        twin.predict(B, hashes[3:5], ttl=2.0, now=1.0)  # another worker's too
+        run = twin.lookup(hashes, now=2.0)[A].num_blocks
+        assert run == 5
+        twin.predict(A, hashes, ttl=2.0, now=2.0, num_leading_held=run if hinted else 0)
+        twin.check_invariants()
+        twins.append(twin)
+    assert twins[0].snapshot() == twins[1].snapshot()
+    assert twins[1].lookup(hashes, now=3.5)[A] == Overlap(8, 4, 0, 0, 4)
+
+
 def test_clear_and_remove_worker(
     index: PrefixIndex, namespace: Namespace, sequences: list[list[int]]
 ) -> None:
