@@ -166,15 +166,15 @@ async def _relay_stream(
     attempt.status = 200
     error = await _pump(client, resp, attempt, config, deadline, first)
     attempt.e2e_s = time.perf_counter() - attempt.started
+    if attempt.status != _CLIENT_GONE:
+        attempt.ok = error is None
+        if error is not None:
+            attempt.status = 502
+            await _write_quietly(client, sse_error_event(error, code="upstream_stream_error"))
+        await _write_eof_quietly(client)
     if error is None:
+        # NOTE: after the client's response has ended, so the client never waits on it.
         await _drain(resp)
-    if attempt.status == _CLIENT_GONE:
-        return client
-    attempt.ok = error is None
-    if error is not None:
-        attempt.status = 502
-        await _write_quietly(client, sse_error_event(error, code="upstream_stream_error"))
-    await _write_eof_quietly(client)
     return client
 
 

@@ -37,6 +37,7 @@ class FakeBehaviour:
     cached_tokens: int = 0
     lora: str | None = None  # a LoRA adapter this worker also serves
     agent_ready: bool = True  # what GET /v1/info says (the fake doubles as an agent)
+    end_delay_s: float = 0.0  # between a stream's [DONE] and the end of its body
 
 
 @dataclass
@@ -135,6 +136,8 @@ class FakeWorker:
             }
             await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
+        if self.behaviour.end_delay_s:
+            await asyncio.sleep(self.behaviour.end_delay_s)
         await resp.write_eof()
         return resp
 

@@ -295,3 +295,23 @@ def test_failed_attempt_releases_its_load_before_the_retry() -> None:
                 assert (load.num_inflight, load.inflight_prefill_tokens) == (0, 0)
 
     run(main())
+
+
+def test_client_stream_ends_at_done_without_waiting_for_the_upstream_body_end() -> None:
+    """The router drains the upstream body after ``[DONE]`` (connection reuse), but only
+    after it has ended the client's response: a worker slow to close its chunked body
+    must not delay the client."""
+
+    async def main() -> None:
+        async with (
+            fake_workers(FakeBehaviour(end_delay_s=0.8)) as (worker,),
+            running_router(router_config([worker])) as (_, url),
+            aiohttp.ClientSession() as session,
+        ):
+            started = time.monotonic()
+            async with session.post(url + "/v1/completions", json=STREAM_BODY) as resp:
+                events = await _sse_events(resp)
+            assert events[-1] == "[DONE]"
+            assert time.monotonic() - started < 0.4
+
+    run(main())
