@@ -77,6 +77,7 @@ class CacheAwarePolicy(BasePolicy):
         computed once per distinct (overlap, block size), not once per worker.
         """
         num_prompt_tokens = len(ctx.request.prompt_token_ids)
+        max_hit_tokens = num_prompt_tokens - 1  # vLLM always computes the last token
         learner = ctx.rates
         worker_to_rates = learner.worker_to_rates
         shared_rates: WorkerRates | None = None  # what every unseen worker reads
@@ -95,16 +96,20 @@ class CacheAwarePolicy(BasePolicy):
                 overlaps = root_to_overlaps[namespace.root] = ctx.overlaps(worker)
             worker_id = worker.worker_id
             overlap = overlaps.get(worker_id)
-            key = (id(overlap), namespace.block_size)
-            uncached = uncached_memo.get(key)
-            if uncached is None:
-                uncached = uncached_memo[key] = (
-                    float(num_prompt_tokens)
-                    if overlap is None
-                    else effective_uncached_tokens(
+            if overlap is None:
+                uncached = float(num_prompt_tokens)
+            elif overlap.num_gpu == overlap.num_blocks and max_hit_tokens >= 0:
+                # all on GPU: effective_uncached_tokens' first branch, without the call
+                block_size = namespace.block_size
+                hit_blocks = min(overlap.num_blocks, max_hit_tokens // block_size)
+                uncached = float(num_prompt_tokens - hit_blocks * block_size)
+            else:
+                key = (id(overlap), namespace.block_size)
+                uncached = uncached_memo.get(key)
+                if uncached is None:
+                    uncached = uncached_memo[key] = effective_uncached_tokens(
                         overlap, namespace.block_size, num_prompt_tokens, costs
                     )
-                )
             rates = worker_to_rates.get(worker_id)
             if rates is None:
                 rates = shared_rates = shared_rates or learner.rates_of(worker_id)
