@@ -105,11 +105,12 @@ class CacheAwarePolicy(BasePolicy):
                 uncached = float(num_prompt_tokens - hit_blocks * block_size)
             else:
                 key = (id(overlap), namespace.block_size)
-                uncached = uncached_memo.get(key)
-                if uncached is None:
-                    uncached = uncached_memo[key] = effective_uncached_tokens(
+                memo = uncached_memo.get(key)
+                if memo is None:
+                    memo = uncached_memo[key] = effective_uncached_tokens(
                         overlap, namespace.block_size, num_prompt_tokens, costs
                     )
+                uncached = memo
             rates = worker_to_rates.get(worker_id)
             if rates is None:
                 rates = shared_rates = shared_rates or learner.rates_of(worker_id)
