@@ -144,14 +144,14 @@ def plot_sweep(rows: Sequence[tuple[float, RunSummary]], out_dir: Path, slo_s: f
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default="", help="Mooncake-format trace (default: excerpt)")
-    parser.add_argument("--num-requests", type=int, default=800)
-    parser.add_argument("--loads", default="2,4,6,8", help="offered loads, x the trace's rate")
+    parser.add_argument("--num-requests", type=int, default=500)
+    parser.add_argument("--loads", default="1,2,3,4", help="offered loads, x the trace's rate")
     parser.add_argument("--policies", default="all")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument(
         "--sim-speedup",
         type=float,
-        default=2.0,
+        default=2.5,
         help="the simulator's speed-up (passed to every worker)",
     )
     parser.add_argument(
@@ -192,10 +192,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
-def run_sweep(args: argparse.Namespace) -> dict[str, object]:
-    loads = [float(x) for x in args.loads.split(",")]
-    policies = ALL_POLICIES if args.policies == "all" else tuple(args.policies.split(","))
-    fleet_config = FleetConfig(
+def _fleet_config(args: argparse.Namespace) -> FleetConfig:
+    """Simulated workers at the sweep's speed-up, with room for the trace's longest prompts."""
+    return FleetConfig(
         num_workers=args.workers,
         engine="sim",
         model="tiny",
@@ -210,6 +209,12 @@ def run_sweep(args: argparse.Namespace) -> dict[str, object]:
         router_args=list(args.router_arg),
         startup_timeout_s=120.0,
     )
+
+
+def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
+    loads = [float(x) for x in args.loads.split(",")]
+    policies = ALL_POLICIES if args.policies == "all" else tuple(args.policies.split(","))
+    fleet_config = _fleet_config(args)
     base_params = {
         "path": args.trace,
         "num_requests": str(args.num_requests),
