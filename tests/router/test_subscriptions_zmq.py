@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
@@ -37,11 +37,30 @@ async def _until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None
         await asyncio.sleep(0.02)
 
 
-async def _start_sim(http_port: int, zmq_port: int, replay_port: int) -> web.AppRunner:
+@web.middleware
+async def _without_cache_config_info(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """An engine whose /metrics lacks ``vllm:cache_config_info`` (the simulator has it)."""
+    response = await handler(request)
+    if request.path == "/metrics" and isinstance(response, web.Response) and response.body:
+        assert isinstance(response.body, bytes)
+        lines = response.body.decode().splitlines(keepends=True)
+        kept = [line for line in lines if "vllm:cache_config_info" not in line]
+        response.body = "".join(kept).encode()
+    return response
+
+
+async def _start_sim(
+    http_port: int, zmq_port: int, replay_port: int, *, cache_config_info: bool = True
+) -> web.AppRunner:
     config = SimConfig(model=model_dir("tiny"), block_size=BLOCK_SIZE, num_gpu_blocks=256,
                        speedup=50.0, zmq_host="127.0.0.1", zmq_port=zmq_port,
                        replay_port=replay_port)  # fmt: skip
-    runner = web.AppRunner(create_sim_app(config))
+    app = create_sim_app(config)
+    if not cache_config_info:
+        app.middlewares.append(_without_cache_config_info)
+    runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", http_port).start()
     return runner
@@ -84,7 +103,7 @@ def test_block_size_unknown_at_probe_is_learnt_from_the_first_event() -> None:
     async def main() -> None:
         ports = (_free_port(), _free_port(), _free_port())
         engine_url = f"http://127.0.0.1:{ports[0]}"
-        sim = await _start_sim(*ports)  # the simulator exports no cache_config_info
+        sim = await _start_sim(*ports, cache_config_info=False)
         try:
             config = RouterConfig(port=0, workers=[WorkerSpec(engine_url)])  # no --block-size
             async with running_router(config) as (app, url), aiohttp.ClientSession() as session:
