@@ -248,10 +248,13 @@ def _token_ids(tokenizer: ModelTokenizer, parsed: ParsedRequest) -> list[int]:
     """The prompt token ids the engine will see, with vLLM's per-endpoint defaults."""
     body = parsed.body
     if parsed.kind == "completion":
-        return tokenizer.completion_token_ids(
-            first_prompt(body["prompt"]),
-            add_special_tokens=_flag(body, "add_special_tokens", default=True),
-        )
+        add_special_tokens = _flag(body, "add_special_tokens", default=True)
+        prompt = first_prompt(body["prompt"])
+        if not isinstance(prompt, str):
+            # NOTE: parse_request validated the ids; checking them again per token
+            # here cost about 1 ms per 8K-token prompt.
+            return prompt
+        return tokenizer.completion_token_ids(prompt, add_special_tokens=add_special_tokens)
     # NOTE: one place merges chat_template_kwargs under the request's own fields, as
     # vLLM does; passing both as keyword arguments here collided on shared names.
     return tokenizer.chat_request_token_ids(body)

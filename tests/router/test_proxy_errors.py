@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import aiohttp
 import pytest
 
+from router.proxy import _token_ids
+from router.requests import parse_request
 from tests.router.fakes import (
     MODEL,
     FakeBehaviour,
@@ -57,6 +60,9 @@ CASES: list[tuple[str, bytes, int, str | None]] = [
         400,
         "cache_salt",
     ),
+    ("/v1/completions", b'{"model": "kvroute-tiny", "prompt": [1, true]}', 400, "prompt"),
+    ("/v1/completions", b'{"model": "kvroute-tiny", "prompt": [[1, -2]]}', 400, "prompt"),
+    ("/v1/completions", b'{"model": "kvroute-tiny", "prompt": [[1], [true]]}', 400, "prompt"),
     ("/v1/chat/completions", b'{"model": "kvroute-tiny", "messages": "hi"}', 400, "messages"),
     ("/v1/chat/completions", b'{"model": "kvroute-tiny", "messages": []}', 400, "messages"),
     (
@@ -200,3 +206,18 @@ def test_chat_template_kwargs_that_name_request_fields_never_crash(
                 assert worker.bodies[0]["chat_template_kwargs"] == template_kwargs
 
     run(main())
+
+
+class _NoTokenizer:
+    """Fails if the proxy re-validates a token-id prompt through the tokenizer."""
+
+    def completion_token_ids(self, *args: object, **kwargs: object) -> list[int]:
+        raise AssertionError("token ids were validated a second time")
+
+
+def test_token_id_prompts_are_validated_once_at_parse_time() -> None:
+    ids = list(range(20, 8212))
+    for prompt in (ids, [ids, [5]]):
+        raw = json.dumps({"model": MODEL, "prompt": prompt}).encode()
+        parsed = parse_request("completion", raw, None)
+        assert _token_ids(_NoTokenizer(), parsed) == ids  # type: ignore[arg-type]
