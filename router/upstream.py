@@ -192,8 +192,9 @@ async def _pump(
     """
     done = False
     while True:
-        done = done or _handle_event(event, attempt)
-        if _should_forward(event, attempt):
+        is_done, usage_only = _read_event(event, attempt)
+        done = done or is_done
+        if not (usage_only and attempt.strip_usage):
             try:
                 await client.write(event)
             except (ConnectionError, RuntimeError):
@@ -230,24 +231,21 @@ async def _next_event(resp: aiohttp.ClientResponse, deadline: float) -> bytes:
                 return event
 
 
-def _handle_event(event: bytes, attempt: Attempt) -> bool:
-    """Read usage out of an event; True when it is the ``[DONE]`` marker."""
+def _read_event(event: bytes, attempt: Attempt) -> tuple[bool, bool]:
+    """Read usage out of an event (decoded at most once); returns (is the ``[DONE]``
+    marker, is a usage-only chunk, which the router drops when it asked for usage)."""
     data = event.removeprefix(b"data:").strip()
     if data == b"[DONE]":
-        return True
-    if b'"usage"' in data:
-        parsed = _decode(data)
-        if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
-            attempt.record_usage(parsed["usage"])
-    return False
-
-
-def _should_forward(event: bytes, attempt: Attempt) -> bool:
-    """False only for the usage-only chunk the router itself asked for."""
-    if not attempt.strip_usage or b'"usage"' not in event:
-        return True
-    parsed = _decode(event.removeprefix(b"data:").strip())
-    return not (isinstance(parsed, dict) and parsed.get("usage") and not parsed.get("choices"))
+        return True, False
+    if b'"usage"' not in data:
+        return False, False
+    parsed = _decode(data)
+    if not isinstance(parsed, dict):
+        return False, False
+    usage = parsed.get("usage")
+    if isinstance(usage, dict):
+        attempt.record_usage(usage)
+    return False, bool(usage) and not parsed.get("choices")
 
 
 async def _write_quietly(client: web.StreamResponse, data: bytes) -> None:

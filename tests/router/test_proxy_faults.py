@@ -12,8 +12,10 @@ import time
 from collections.abc import Callable
 
 import aiohttp
+import pytest
 from aiohttp import web
 
+from router import upstream
 from router.app import FLEET, PROXY
 from tests.router.fakes import (
     MODEL,
@@ -313,5 +315,31 @@ def test_client_stream_ends_at_done_without_waiting_for_the_upstream_body_end() 
                 events = await _sse_events(resp)
             assert events[-1] == "[DONE]"
             assert time.monotonic() - started < 0.4
+
+    run(main())
+
+
+def test_the_usage_chunk_is_decoded_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading the usage and deciding to hide the chunk share one JSON decode."""
+    decoded: list[bytes] = []
+    original = upstream._decode
+
+    def counting_decode(data: bytes) -> object:
+        decoded.append(data)
+        return original(data)
+
+    monkeypatch.setattr(upstream, "_decode", counting_decode)
+
+    async def main() -> None:
+        async with (
+            fake_workers(FakeBehaviour(num_chunks=3, cached_tokens=32)) as (worker,),
+            running_router(router_config([worker])) as (app, url),
+            aiohttp.ClientSession() as session,
+        ):
+            async with session.post(url + "/v1/completions", json=STREAM_BODY) as resp:
+                events = await _sse_events(resp)
+            assert len(events) == 4  # three chunks and [DONE]: the usage chunk is hidden
+            assert len(decoded) == 1 and b'"usage"' in decoded[0]
+            assert app[PROXY].hits.cached_tokens == 32  # and its usage was read
 
     run(main())
