@@ -259,19 +259,25 @@ def post_json(url: str, body: object | None = None, timeout: float = 60.0) -> ob
 
 
 def reset_prefix_cache(server: VllmServer, timeout: float = 30.0) -> None:
-    """Drop every cached block of ``server``; raises if vLLM keeps refusing.
+    """Drop every cached block of ``server`` and publish the clear; raises if vLLM keeps
+    refusing.
 
     vLLM answers ``{"success": false}`` while blocks are held (running requests, e.g. a
     stream another test aborted a moment ago), so this retries until ``timeout``.
-    NOTE: the ``AllBlocksCleared`` event is published only with the engine's next step,
-    i.e. with the next request's events, not when this returns; code that mirrors the
-    cache (an index) clears its copy itself. Needs ``VLLM_SERVER_DEV_MODE=1``, which every
-    ``VllmServer`` sets.
+    NOTE: vLLM publishes KV events at the end of an engine step, so after a reset with
+    no request running its ``AllBlocksCleared`` would stay queued until some later
+    request, and agents or routers subscribing meanwhile would see the old blocks. A
+    one-token request (no full block: nothing stored, nothing evicted) runs that step
+    before this returns. Needs ``VLLM_SERVER_DEV_MODE=1``, which every ``VllmServer`` sets.
     """
     deadline = time.monotonic() + timeout
     while True:
         response = post_json(f"{server.base_url}/reset_prefix_cache")
         if isinstance(response, dict) and response.get("success") is True:
+            post_json(
+                f"{server.base_url}/v1/completions",
+                {"model": server.model_name, "prompt": "x", "max_tokens": 1},
+            )
             return
         if time.monotonic() >= deadline:
             raise RuntimeError(f"vLLM on port {server.port} refused to reset: {response!r}")

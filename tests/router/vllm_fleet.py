@@ -15,7 +15,7 @@ from aiohttp import web
 
 from router.app import start_server
 from router.config import RouterConfig, WorkerSpec
-from tests.engines import VllmServer, post_json, reset_prefix_cache
+from tests.engines import VllmServer, reset_prefix_cache
 from tests.router.fakes import running_router
 from worker.agent.app import AgentConfig, create_agent_app
 
@@ -35,27 +35,12 @@ def system_prompt(tenant: int, num_chars: int, seed: int = 7) -> str:
     return text[:num_chars]
 
 
-def flush_kv_events(server: VllmServer) -> None:
-    """Make the engine publish what it has queued, the reset's ``AllBlocksCleared`` too.
-
-    NOTE: vLLM publishes KV events at the end of an engine step; after
-    ``/reset_prefix_cache`` with no request running, the clear stays queued until the next
-    request, so agents and routers starting now would see the old blocks. A one-token
-    request (no full block, nothing stored) runs a step.
-    """
-    post_json(
-        f"{server.base_url}/v1/completions",
-        {"model": server.model_name, "prompt": "x", "max_tokens": 1},
-    )
-
-
 @contextlib.asynccontextmanager
 async def routed_vllm(
     servers: Sequence[VllmServer], policy: str, *, use_agent: bool = True, **config: object
 ) -> AsyncIterator[tuple[web.Application, str]]:
     for server in servers:
-        reset_prefix_cache(server)
-        flush_kv_events(server)
+        reset_prefix_cache(server)  # also publishes the clear before agents subscribe
     runners: list[web.AppRunner] = []
     specs: list[WorkerSpec] = []
     try:

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from typing import Any
 
 import pytest
+import zmq
 
-from tests.engines import BLOCK_SIZE, VllmServer, free_port, post_json, reset_prefix_cache
+from kvindex.protocol import AllBlocksCleared, KVEvent, decode_frame
+from tests.engines import (
+    BLOCK_SIZE,
+    KV_TOPIC,
+    VllmServer,
+    free_port,
+    post_json,
+    reset_prefix_cache,
+)
 
 
 def _get_json(url: str) -> Any:
@@ -50,3 +60,43 @@ def test_prefix_cache_hits_and_reset(vllm_servers: tuple[VllmServer, ...]) -> No
     assert _cached_tokens(server, prompt) == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
     reset_prefix_cache(server)
     assert _cached_tokens(server, prompt) == 0
+
+
+@pytest.mark.vllm
+def test_reset_publishes_all_blocks_cleared_before_returning(
+    vllm_servers: tuple[VllmServer, ...],
+) -> None:
+    """vLLM queues the reset's ``AllBlocksCleared`` until its next step; the helper runs
+    that step, so a subscriber sees the clear with no further request from the test."""
+    server = vllm_servers[1]
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, KV_TOPIC.encode())
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(server.zmq_endpoint)
+    try:
+        for attempt in range(10):  # the SUB socket joins asynchronously
+            _cached_tokens(server, f"reset flush warm-up {attempt} " * 6)
+            if _drain_events(sub, deadline_s=2.0):
+                break
+        else:
+            raise AssertionError("no KV events from the engine")
+        reset_prefix_cache(server)
+        events = _drain_events(sub, deadline_s=5.0)  # no request in between
+        assert any(isinstance(e, AllBlocksCleared) for e in events), events
+    finally:
+        sub.close(linger=0)
+        context.term()
+
+
+def _drain_events(sub: zmq.Socket[bytes], deadline_s: float) -> list[KVEvent]:
+    """Events received until ``deadline_s`` passes with none arriving for 0.5 s."""
+    events: list[KVEvent] = []
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if not sub.poll(500):
+            if events:
+                break
+            continue
+        events.extend(decode_frame(sub.recv_multipart()).batch.events)
+    return events
