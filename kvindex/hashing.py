@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import array
 import hashlib
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NewType, cast
@@ -115,20 +116,86 @@ def chain_hashes(parent: BlockHash, token_ids: Sequence[int], block_size: int) -
     data = token_bytes(token_ids)
     stride = block_size * _TOKEN_BYTES
     end = (len(token_ids) // block_size) * stride
-    # NOTE: plain ints in the loop, one cast at the end: calling the NewType per block
-    # costs about a fifth of the time. ``mmh3_x64_128_utupledigest(data, 0)[0]`` is
-    # ``hash64(data, signed=False)[0]`` (the same bits) through mmh3's fast-call entry
-    # point without keyword parsing: a third less time per block.
+    return cast("list[BlockHash]", _chain(parent, data, 0, end, stride))
+
+
+def _chain(parent: int, data: bytes, start: int, end: int, stride: int) -> list[int]:
+    """The chain over ``data[start:end]`` (whole blocks of ``stride`` bytes)."""
+    # NOTE: plain ints in the loop, one cast by the caller: calling the NewType per
+    # block costs about a fifth of the time. ``mmh3_x64_128_utupledigest(data, 0)[0]``
+    # is ``hash64(data, signed=False)[0]`` (the same bits) through mmh3's fast-call
+    # entry point without keyword parsing: a third less time per block.
     hashes: list[int] = []
     append = hashes.append
-    current: int = parent
+    current = parent
     digest = mmh3.mmh3_x64_128_utupledigest
-    for start in range(0, end, stride):
-        current = digest(current.to_bytes(8, "little") + data[start : start + stride], 0)[0]
+    for offset in range(start, end, stride):
+        current = digest(current.to_bytes(8, "little") + data[offset : offset + stride], 0)[0]
         append(current)
-    return cast("list[BlockHash]", hashes)
+    return hashes
 
 
 def hash_prompt(namespace: Namespace, token_ids: Sequence[int]) -> list[BlockHash]:
     """Our hashes for every full block of a prompt under ``namespace``."""
     return chain_hashes(namespace.root, token_ids, namespace.block_size)
+
+
+class PrefixChainCache:
+    """Recent prompts' chains, so a prompt hashes only the blocks after the longest
+    prefix it shares with the last prompt that began with the same block.
+
+    Chat sessions resend their history and tenants share system prompts, so most of a
+    prompt's blocks were hashed moments ago. Keyed by (namespace root, first block's
+    token bytes): the most recent prompt's token bytes and chain, LRU-bounded. The
+    result is always ``hash_prompt(namespace, token_ids)`` (chained hashes of equal
+    token prefixes are equal); only the work differs.
+
+    Cost: the token copy (as ``hash_prompt``), a binary search over whole blocks with
+    ``bytes.startswith`` (memcmp, ~1 us), and ~0.2 us per block not shared.
+    """
+
+    __slots__ = ("_entries", "max_entries")
+
+    def __init__(self, max_entries: int = 64) -> None:
+        self.max_entries = max_entries
+        # (root, first block bytes) -> (token bytes of whole blocks, their chain)
+        self._entries: OrderedDict[tuple[int, bytes], tuple[bytes, list[int]]] = OrderedDict()
+
+    def hash_prompt(self, namespace: Namespace, token_ids: Sequence[int]) -> list[BlockHash]:
+        """Same as ``hash_prompt(namespace, token_ids)``; a fresh list every call."""
+        block_size = namespace.block_size
+        num_blocks = len(token_ids) // block_size
+        if num_blocks == 0 or self.max_entries <= 0:
+            return hash_prompt(namespace, token_ids)
+        stride = block_size * _TOKEN_BYTES
+        data = token_bytes(token_ids)
+        if len(data) != num_blocks * stride:
+            data = data[: num_blocks * stride]  # a partial last block is never hashed
+        key = (namespace.root, data[:stride])
+        entry = self._entries.get(key)
+        shared = 0
+        hashes: list[int] = []
+        if entry is not None:
+            old_data, old_hashes = entry
+            shared = _shared_blocks(old_data, data, stride, min(len(old_hashes), num_blocks))
+            hashes = old_hashes[:shared]
+        parent = hashes[-1] if shared else namespace.root
+        hashes += _chain(parent, data, shared * stride, num_blocks * stride, stride)
+        self._entries[key] = (data, hashes.copy())
+        self._entries.move_to_end(key)
+        if len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+        return cast("list[BlockHash]", hashes)
+
+
+def _shared_blocks(old: bytes, new: bytes, stride: int, limit: int) -> int:
+    """The most whole blocks (<= ``limit``) ``old`` and ``new`` start with alike."""
+    view = memoryview(new)
+    low, high = 0, limit  # invariant: the first `low` blocks match
+    while low < high:
+        middle = (low + high + 1) // 2
+        if old.startswith(view[: middle * stride]):
+            low = middle
+        else:
+            high = middle - 1
+    return low

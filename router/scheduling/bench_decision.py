@@ -9,7 +9,10 @@ prompts (so the lookup walks deep with many workers still in the run) plus rando
 chains up to the total. Then times, on the same index and prompts, in one run:
 
 - ``cache_aware``: ``Scheduler.pick`` end to end, split by phase (hash, lookup,
-  score, commit = predicted blocks + load + policy hook);
+  score, commit = predicted blocks + load + policy hook); once with the scheduler's
+  prefix chain cache (the default: the queries share long prefixes, so a pick hashes
+  only the blocks past the prefix it shares with the previous query) and once with it
+  off (every pick hashes the whole prompt);
 - baseline ``round_robin``: ``Scheduler.pick`` (it still hashes and looks up the
   chosen worker, because every Decision carries its predicted cached tokens);
 - baseline naive scoring: the same cost model, but one index lookup per worker;
@@ -130,10 +133,18 @@ def summary(values: list[float]) -> dict[str, float]:
 
 
 def bench_scheduler(
-    index: PrefixIndex, workers: list[WorkerView], queries: list[list[int]], policy: str, n: int
+    index: PrefixIndex,
+    workers: list[WorkerView],
+    queries: list[list[int]],
+    policy: str,
+    n: int,
+    prefix_cache_entries: int = 64,
 ) -> dict[str, list[float]]:
     clock = CLOCK  # shared: the index never sees time go backwards between runs
-    scheduler = Scheduler(index, create_policy(policy), clock=clock, rng=random.Random(1))
+    scheduler = Scheduler(
+        index, create_policy(policy), clock=clock, rng=random.Random(1),
+        prefix_cache_entries=prefix_cache_entries,
+    )  # fmt: skip
 
     def one(i: int) -> dict[str, float]:
         clock.now += 1.0  # the previous pick's predictions (TTL 2 s) expire in turn
@@ -221,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     n = args.iterations
     for name, samples in (
         ("cache_aware pick", bench_scheduler(index, workers, queries, "cache_aware", n)),
+        (
+            "cache_aware pick, no prefix cache",
+            bench_scheduler(index, workers, queries, "cache_aware", n, prefix_cache_entries=0),
+        ),
         ("round_robin pick (baseline)", bench_scheduler(index, workers, queries, "round_robin", n)),
         ("naive per-worker lookups (baseline)", bench_naive(index, workers, queries, min(n, 100))),
         *bench_tokenize(args.prompt_tokens, n).items(),

@@ -27,6 +27,7 @@ from router.scheduling.rates import RateLearner
 from router.scheduling.types import Decision, RoutingRequest, WorkerId, WorkerView
 
 NamespaceResolver = Callable[[Namespace, str | None, str | None], Namespace]
+PromptHasher = Callable[[Namespace, Sequence[int]], list[BlockHash]]
 
 
 class Policy(Protocol):
@@ -66,6 +67,7 @@ class PickContext:
     """
 
     __slots__ = (
+        "_hash_prompt",
         "_hashes_by_root",
         "_index",
         "_overlaps_by_root",
@@ -88,6 +90,7 @@ class PickContext:
         rng: random.Random,
         now: float,
         resolve_namespace: NamespaceResolver,
+        hash_prompt: PromptHasher = hash_prompt,
     ) -> None:
         self.request = request
         self.candidates = candidates
@@ -97,6 +100,7 @@ class PickContext:
         self.phase_seconds: dict[str, float] = {"hash": 0.0, "lookup": 0.0, "score": 0.0}
         self._index = index
         self._resolve_namespace = resolve_namespace
+        self._hash_prompt = hash_prompt  # kvindex's, or a PrefixChainCache's (same result)
         # NOTE: keyed by the base namespace's root (an int computed once per Namespace,
         # covering all its fields): cheaper than hashing the dataclass per worker.
         self._hashes_by_root: dict[int, list[BlockHash]] = {}
@@ -112,7 +116,7 @@ class PickContext:
             namespace = self._resolve_namespace(
                 worker.namespace, request.lora_name, request.cache_salt
             )
-            hashes = hash_prompt(namespace, request.prompt_token_ids)
+            hashes = self._hash_prompt(namespace, request.prompt_token_ids)
             self._hashes_by_root[root] = hashes
             self.phase_seconds["hash"] += time.perf_counter() - start
         return hashes

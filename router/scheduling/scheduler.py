@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 
-from kvindex.hashing import Namespace
+from kvindex.hashing import Namespace, PrefixChainCache
 from kvindex.index import PrefixIndex
 from router.scheduling.cost_model import (
     TierCosts,
@@ -56,6 +56,7 @@ class Scheduler:
         rate_prior: RatePrior | None = None,
         drift: DriftConfig | None = None,
         tier_costs: TierCosts | None = None,
+        prefix_cache_entries: int = 64,
     ) -> None:
         self.index = index
         self.policy = policy
@@ -65,6 +66,9 @@ class Scheduler:
         self.rates = RateLearner(prior=rate_prior or RatePrior())
         self.drift = DriftTracker(drift or DriftConfig())
         self.tier_costs = tier_costs or TierCosts()  # for the router-side inflight estimate
+        # Recent prompts' block hashes: a prompt hashes only blocks past the prefix it
+        # shares with the last one that began alike (0 entries: always hash it all).
+        self.prefix_hashes = PrefixChainCache(prefix_cache_entries)
         # (base root, lora, salt) -> effective namespace; bounded LRU.
         self._namespaces: OrderedDict[tuple[int, str | None, str | None], Namespace] = OrderedDict()
 
@@ -107,6 +111,7 @@ class Scheduler:
             rng=self.rng,
             now=now,
             resolve_namespace=self.effective_namespace,
+            hash_prompt=self.prefix_hashes.hash_prompt,
         )
         phases = ctx.phase_seconds
         start = time.perf_counter()

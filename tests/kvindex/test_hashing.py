@@ -12,7 +12,7 @@ import struct
 import mmh3
 import pytest
 
-from kvindex.hashing import BlockHash, Namespace, chain_hashes, hash_prompt
+from kvindex.hashing import BlockHash, Namespace, PrefixChainCache, chain_hashes, hash_prompt
 
 
 def documented_chain(parent: int, token_ids: list[int], block_size: int) -> list[int]:
@@ -51,3 +51,33 @@ def test_token_ids_out_of_range_raise() -> None:
         chain_hashes(BlockHash(0), [2**32] * 16, 16)
     with pytest.raises(OverflowError):
         chain_hashes(BlockHash(0), [-1] * 16, 16)
+
+
+def test_prefix_chain_cache_equals_hash_prompt() -> None:
+    """Prompts that share prefixes of every length (and none), in several namespaces
+    and block sizes, partial last blocks included: always ``hash_prompt``'s answer."""
+    rng = random.Random(7)
+    cache = PrefixChainCache(max_entries=8)
+    base = [rng.randrange(0, 50_000) for _ in range(40 * 16)]
+    namespaces = [Namespace("m", block_size=16), Namespace("m", block_size=32),
+                  Namespace("m", block_size=16, cache_salt="t")]  # fmt: skip
+    for _ in range(300):
+        namespace = rng.choice(namespaces)
+        keep = rng.randrange(0, len(base) + 1)
+        tail = [rng.randrange(0, 50_000) for _ in range(rng.randrange(0, 100))]
+        prompt = base[:keep] + tail
+        hashes = cache.hash_prompt(namespace, prompt)
+        assert hashes == hash_prompt(namespace, prompt)
+        hashes.append(BlockHash(0))  # the caller owns the list: the cache is unharmed
+    assert len(cache._entries) <= 8
+
+
+def test_prefix_chain_cache_off_and_short_prompts() -> None:
+    namespace = Namespace("m", block_size=16)
+    assert PrefixChainCache(max_entries=0).hash_prompt(namespace, list(range(40))) == (
+        hash_prompt(namespace, list(range(40)))
+    )
+    cache = PrefixChainCache()
+    assert cache.hash_prompt(namespace, list(range(15))) == []
+    assert cache.hash_prompt(namespace, list(range(32))) == hash_prompt(namespace, list(range(32)))
+    assert cache.hash_prompt(namespace, list(range(16))) == hash_prompt(namespace, list(range(16)))

@@ -222,3 +222,22 @@ def test_inlined_scores_equal_the_cost_model_bit_for_bit() -> None:
     ]
     assert policy.expected_ttfts(ctx) == expected
     assert len(set(expected)) == len(workers)  # the case is not degenerate
+
+
+def test_prefix_chain_cache_gives_the_full_hashes_of_every_prompt() -> None:
+    """Prompts sharing a system prompt (and a salted tenant) through one scheduler:
+    every decision carries exactly ``hash_prompt``'s hashes, with or without the cache."""
+    system = tokens(11, 6 * BLOCK)
+    prompts = [system + tokens(20 + i, 3 * BLOCK + i) for i in range(6)]
+    for entries in (64, 0):
+        index, workers = make_fleet(3)
+        sched = Scheduler(
+            index, CacheAwarePolicy(), rng=random.Random(0), clock=lambda: 0.0,
+            prefix_cache_entries=entries,
+        )  # fmt: skip
+        for i, prompt in enumerate(prompts + prompts[:2]):
+            salt = "tenant" if i % 3 == 2 else None
+            decision = sched.pick(request(prompt, cache_salt=salt), workers)
+            assert decision is not None
+            assert decision.block_hashes == hash_prompt(NS.with_salt(salt), prompt)
+            finish(sched, decision)
