@@ -124,7 +124,7 @@ def _walk_gpu_predicted(
         if g != alive:
             held = g | (predicted_get(h, 0) & alive)
             if held != alive:
-                counts.add(seg_g, 0, 0, seg_len, alive)
+                counts.add_gpu(seg_g, seg_len, alive)
                 seg_g, seg_len = -1, 0
                 if i:
                     _record_split(result, slot_to_worker, alive & ~held, i, counts)
@@ -134,9 +134,9 @@ def _walk_gpu_predicted(
         if g == seg_g:
             seg_len += 1
         else:
-            counts.add(seg_g, 0, 0, seg_len, alive)
+            counts.add_gpu(seg_g, seg_len, alive)
             seg_g, seg_len = g, 1
-    counts.add(seg_g, 0, 0, seg_len, alive)
+    counts.add_gpu(seg_g, seg_len, alive)
     _record_split(result, slot_to_worker, alive, len(hashes), counts)
     return result
 
@@ -168,9 +168,22 @@ class _SplitCounts:
             else:
                 _add_sliced(self.planes[k], mask, n)
 
+    def add_gpu(self, g: int, n: int, alive: int) -> None:
+        """``add(g, 0, 0, n, alive)``, for walks without CPU or DISK blocks."""
+        if n <= 0 or not g:
+            return
+        if g == alive:
+            self.uniform[0] += n
+        else:
+            _add_sliced(self.planes[0], g, n)
+
     def is_uniform_for(self, mask: int) -> bool:
         """True when no worker in ``mask`` has a count beyond ``uniform``."""
-        return not any(plane & mask for planes in self.planes for plane in planes)
+        for planes in self.planes:
+            for plane in planes:
+                if plane & mask:
+                    return False
+        return True
 
     def of(self, slot: int) -> tuple[int, int, int]:
         """Worker ``slot``'s GPU, CPU and DISK counts. O(planes)."""
