@@ -47,8 +47,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
-def run(args: argparse.Namespace) -> int:
-    config = CompareConfig(
+def demo_config(args: argparse.Namespace) -> CompareConfig:
+    return CompareConfig(
         workload=DEMO_WORKLOAD,
         params=dict(DEMO_PARAMS),
         seed=0,
@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
             num_workers=args.workers,
             engine="sim",
             model="tiny",
+            num_gpu_blocks=DEMO_GPU_BLOCKS,
             worker_args=list(args.worker_arg),
             startup_timeout_s=60.0,
         ),
@@ -66,6 +67,10 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         title="kvroute demo: 32 tenants x 4,096-token system prompts, 4 simulated workers",
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    config = demo_config(args)
     try:
         run_comparison(config)
     except (FleetError, OSError) as exc:

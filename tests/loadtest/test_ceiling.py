@@ -64,3 +64,33 @@ def test_block_keys_chain_covers_whole_prefix() -> None:
     assert block_keys(x, 2)[1] != block_keys(y, 2)[1]  # same second block, other parent
     assert len(block_keys(np.arange(5, dtype=np.int32), 2)) == 2
     assert lru_token_hit_ratio([], 4, 2) == 0.0
+
+
+def test_demo_workload_needs_routing_to_stay_cached() -> None:
+    """The demo's point: round robin over its small workers thrashes, one fleet-wide cache
+    does not. Checked offline with the same LRU model, per worker vs whole fleet."""
+    import argparse
+
+    from loadtest import demo
+    from loadtest.workloads import build_workload
+
+    parser = argparse.ArgumentParser()
+    demo.configure(parser)
+    config = demo.demo_config(parser.parse_args([]))
+    blocks = config.fleet.num_gpu_blocks
+    assert blocks == demo.DEMO_GPU_BLOCKS
+    requests = build_workload(config.workload, config.params, seed=config.seed)
+    num_workers = config.fleet.num_workers
+    per_worker = [
+        lru_token_hit_ratio(
+            (
+                (block_keys(r.prompt_token_ids, 32), r.num_prompt_tokens)
+                for r in requests[w::num_workers]
+            ),
+            blocks,
+            32,
+        )
+        for w in range(num_workers)
+    ]
+    fleet_wide = workload_ceiling((r.prompt_token_ids for r in requests), blocks * num_workers, 32)
+    assert max(per_worker) < 0.5 < 0.8 < fleet_wide
