@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -157,6 +158,8 @@ class Fleet:
         self._worker_children: list[Child] = []
         self._router_child: Child | None = None
         self._agentless = False  # workers run without an agent (bare simulator)
+        # NOTE: a temporary log folder is removed on stop(); errors quote the log tail.
+        self._owns_log_dir = config.log_dir is None
         self._log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix="kvroute-fleet-"))
         self._log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -173,6 +176,10 @@ class Fleet:
         if self.router_port is None:
             raise FleetError("no router is running")
         return f"http://{HOST}:{self.router_port}"
+
+    @property
+    def log_dir(self) -> Path:
+        return self._log_dir
 
     @property
     def child_pids(self) -> list[int]:
@@ -242,6 +249,8 @@ class Fleet:
         for child in reversed(self._worker_children):
             child.stop()
         self._worker_children.clear()
+        if self._owns_log_dir:
+            shutil.rmtree(self._log_dir, ignore_errors=True)
 
     def reset_caches(self, timeout_s: float = 60.0) -> None:
         """Clear every worker's prefix cache. vLLM answers ``{"success": false}`` while

@@ -62,6 +62,7 @@ def describe(fleet: Fleet) -> str:
             f"  worker {w.worker_id:<4} {w.url}  metrics {w.url}/metrics  "
             f"agent {w.agent_url}/metrics"
         )
+    lines.append(f"  logs: {fleet.log_dir}")
     lines.append("  pids: " + " ".join(str(pid) for pid in fleet.child_pids))
     lines.append("Ctrl-C stops everything.")
     return "\n".join(lines)
