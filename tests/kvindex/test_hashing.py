@@ -12,7 +12,14 @@ import struct
 import mmh3
 import pytest
 
-from kvindex.hashing import BlockHash, Namespace, PrefixChainCache, chain_hashes, hash_prompt
+from kvindex.hashing import (
+    BlockHash,
+    Namespace,
+    PrefixChainCache,
+    chain_hashes,
+    hash_prompt,
+    token_bytes,
+)
 
 
 def documented_chain(parent: int, token_ids: list[int], block_size: int) -> list[int]:
@@ -81,3 +88,17 @@ def test_prefix_chain_cache_off_and_short_prompts() -> None:
     assert cache.hash_prompt(namespace, list(range(15))) == []
     assert cache.hash_prompt(namespace, list(range(32))) == hash_prompt(namespace, list(range(32)))
     assert cache.hash_prompt(namespace, list(range(16))) == hash_prompt(namespace, list(range(16)))
+
+
+@pytest.mark.parametrize("bad", [[-1], [2**32], [1.5]])
+def test_token_bytes_rejects_what_the_array_constructor_rejects(bad: list[object]) -> None:
+    with pytest.raises((OverflowError, TypeError)):
+        token_bytes(bad)  # type: ignore[arg-type]
+
+
+def test_token_bytes_same_for_lists_and_other_sequences() -> None:
+    tokens = [0, 1, 255, 256, 65_535, 65_536, 2**32 - 1]
+    expected = struct.pack(f"<{len(tokens)}I", *tokens)
+    assert token_bytes(tokens) == expected  # the list fast path (fromlist)
+    assert token_bytes(tuple(tokens)) == expected
+    assert token_bytes(range(5)) == struct.pack("<5I", *range(5))
