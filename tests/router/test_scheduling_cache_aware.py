@@ -224,6 +224,39 @@ def test_inlined_scores_equal_the_cost_model_bit_for_bit() -> None:
     assert len(set(expected)) == len(workers)  # the case is not degenerate
 
 
+def test_inlined_scores_with_interleaved_namespaces() -> None:
+    """Candidates alternate between two namespaces (block sizes 16 and 32): each reads
+    its own group's overlaps and block size, as the cost model does."""
+    other = Namespace(NS.model, block_size=2 * BLOCK)
+    index, small = make_fleet(3)
+    _, large = make_fleet(3, namespace=other, index=index, prefix="x")
+    prompt = tokens(4, 10 * BLOCK + 3)
+    store(index, "w0", prompt[: 6 * BLOCK])
+    store(index, "x0", prompt[: 8 * BLOCK], block_size=2 * BLOCK)
+    store(index, "x1", prompt[: 2 * BLOCK], block_size=2 * BLOCK)
+    workers = [w for pair in zip(small, large, strict=True) for w in pair]
+    sched = scheduler(index, "cache_aware")
+    policy = sched.policy
+    assert isinstance(policy, CacheAwarePolicy)
+    ctx = PickContext(
+        request(prompt), workers, index=index, rates=sched.rates, rng=random.Random(0),
+        now=0.0, resolve_namespace=sched.effective_namespace,
+    )  # fmt: skip
+    expected = [
+        expected_ttft(
+            sched.rates.rates_of(w.worker_id),
+            w.load,
+            effective_uncached_tokens(
+                ctx.overlap(w), w.namespace.block_size, len(prompt), policy.costs
+            ),
+            policy.added_work_weight,
+        )
+        for w in workers
+    ]
+    assert policy.expected_ttfts(ctx) == expected
+    assert len(set(expected)) == 4  # w0, x0, x1 and the uncached rest
+
+
 def test_prefix_chain_cache_gives_the_full_hashes_of_every_prompt() -> None:
     """Prompts sharing a system prompt (and a salted tenant) through one scheduler:
     every decision carries exactly ``hash_prompt``'s hashes, with or without the cache."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from kvindex.hashing import Namespace
 from kvindex.index import Overlap
 from router.scheduling.cost_model import TierCosts, effective_uncached_tokens
 from router.scheduling.policy import (
@@ -89,38 +90,47 @@ class CacheAwarePolicy(BasePolicy):
         # (id of the Overlap or of None, block size) -> uncached tokens; the overlaps
         # live in ``root_to_overlaps`` for the whole loop, so ids are not reused.
         uncached_memo: dict[tuple[int, int], float] = {}
+        token_scale, running_scale = TOKEN_SCALE, RUNNING_SCALE
+        # NOTE: the fleet usually shares one namespace object, so the group's overlaps
+        # are fetched again only when the namespace object changes (an ``is`` test).
+        last_namespace: Namespace | None = None
+        overlaps: dict[WorkerId, Overlap] = {}
+        block_size = 0
         for worker in ctx.candidates:
             namespace = worker.namespace
-            overlaps = root_to_overlaps.get(namespace.root)
-            if overlaps is None:
-                overlaps = root_to_overlaps[namespace.root] = ctx.overlaps(worker)
+            if namespace is not last_namespace:
+                last_namespace, block_size = namespace, namespace.block_size
+                found = root_to_overlaps.get(namespace.root)
+                if found is None:
+                    found = root_to_overlaps[namespace.root] = ctx.overlaps(worker)
+                overlaps = found
             worker_id = worker.worker_id
             overlap = overlaps.get(worker_id)
             if overlap is None:
                 uncached = float(num_prompt_tokens)
             elif overlap.num_gpu == overlap.num_blocks and max_hit_tokens >= 0:
                 # all on GPU: effective_uncached_tokens' first branch, without the call
-                block_size = namespace.block_size
                 hit_blocks = min(overlap.num_blocks, max_hit_tokens // block_size)
                 uncached = float(num_prompt_tokens - hit_blocks * block_size)
             else:
-                key = (id(overlap), namespace.block_size)
+                key = (id(overlap), block_size)
                 memo = uncached_memo.get(key)
                 if memo is None:
                     memo = uncached_memo[key] = effective_uncached_tokens(
-                        overlap, namespace.block_size, num_prompt_tokens, costs
+                        overlap, block_size, num_prompt_tokens, costs
                     )
                 uncached = memo
             rates = worker_to_rates.get(worker_id)
             if rates is None:
                 rates = shared_rates = shared_rates or learner.rates_of(worker_id)
-            theta = rates.theta
+            theta_0, theta_1, theta_2 = rates.theta
             load = worker.load
             work = load.prefill_tokens_queued + load.inflight_prefill_tokens + uncached * factor
-            running = max(load.num_running, load.num_inflight)
-            append(
-                theta[0] + theta[1] * (work / TOKEN_SCALE) + theta[2] * (running / RUNNING_SCALE)
-            )
+            running = load.num_running
+            num_inflight = load.num_inflight
+            if num_inflight > running:  # max(), without the call
+                running = num_inflight
+            append(theta_0 + theta_1 * (work / token_scale) + theta_2 * (running / running_scale))
         return scores
 
     def _sample(self, ctx: PickContext, scores: list[float]) -> WorkerView:
