@@ -35,7 +35,9 @@ def scenes(draw: st.DrawFn) -> tuple[list[BlockHash], list[dict[BlockHash, int]]
     length = draw(st.sampled_from([1, 7, 40, 300]))
     hashes = [BlockHash(1000 + i) for i in range(length)]
     rng = draw(st.randoms(use_true_random=False))
-    only_gpu = draw(st.booleans())
+    # GPU only; GPU + predicted (its own walk); every tier
+    tier_choices = draw(st.sampled_from([[0], [0, 3], [0, 1, 2, 3]]))
+    only_gpu = tier_choices == [0]
     layers: list[dict[BlockHash, int]] = [{}, {}, {}, {}]
     for slot in range(num_workers):
         run = rng.randrange(length + 1)
@@ -43,8 +45,9 @@ def scenes(draw: st.DrawFn) -> tuple[list[BlockHash], list[dict[BlockHash, int]]
         tier = 0
         for i, h in enumerate(hashes[: run + rng.randrange(3)]):
             if not only_gpu and rng.random() < 0.1:
-                tier = rng.randrange(4)
-            tiers = {tier} | ({rng.randrange(4)} if not only_gpu and rng.random() < 0.2 else set())
+                tier = rng.choice(tier_choices)
+            extra = {rng.choice(tier_choices)} if not only_gpu and rng.random() < 0.2 else set()
+            tiers = {tier} | extra
             if i == run:  # a hole, then maybe more blocks after it
                 continue
             for k in tiers:
