@@ -183,13 +183,17 @@ class _SplitCounts:
     worker had the layer) plus the number whose bits at position ``w`` are written
     across ``planes[k]`` (bit-sliced counters: plane ``j`` holds bit ``j`` of every
     worker's count, so adding ``n`` to a mask of workers is a few big-int operations).
+    ``add_gpu`` counts the other way round: a segment most running workers hold on GPU
+    goes to ``uniform[0]``, and the few that lack it get ``n`` in ``gpu_deficit``
+    (subtracted), so the workers that drop later still read as uniform.
     """
 
-    __slots__ = ("planes", "uniform")
+    __slots__ = ("gpu_deficit", "planes", "uniform")
 
     def __init__(self) -> None:
         self.uniform = [0, 0, 0]
         self.planes: list[list[int]] = [[], [], []]
+        self.gpu_deficit: list[int] = []  # bit-sliced, subtracted from the GPU count
 
     def add(self, g: int, c: int, d: int, n: int, alive: int) -> None:
         """Count ``n`` positions where the workers in ``g``/``c``/``d`` had that tier."""
@@ -207,14 +211,13 @@ class _SplitCounts:
         """``add(g, 0, 0, n, alive)``, for walks without CPU or DISK blocks."""
         if n <= 0 or not g:
             return
-        if g == alive:
-            self.uniform[0] += n
-        else:
-            _add_sliced(self.planes[0], g, n)
+        self.uniform[0] += n
+        if g != alive:
+            _add_sliced(self.gpu_deficit, alive & ~g, n)
 
     def is_uniform_for(self, mask: int) -> bool:
         """True when no worker in ``mask`` has a count beyond ``uniform``."""
-        for planes in self.planes:
+        for planes in (*self.planes, self.gpu_deficit):
             for plane in planes:
                 if plane & mask:
                     return False
@@ -226,6 +229,8 @@ class _SplitCounts:
         planes_g, planes_c, planes_d = self.planes
         if planes_g:
             g += _bits_at(planes_g, slot)
+        if self.gpu_deficit:
+            g -= _bits_at(self.gpu_deficit, slot)
         if planes_c:
             c += _bits_at(planes_c, slot)
         if planes_d:
