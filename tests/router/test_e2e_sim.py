@@ -7,15 +7,12 @@ covered: through the agent, and directly to the simulator's ZMQ publisher.
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Callable
-
 import openai
 import pytest
 
 from router.app import INDEX, METRICS, PROXY
 from router.config import RouterConfig
+from tests.polling import wait_until
 from tests.router.e2e_checks import exercise_openai_client
 from tests.router.fakes import run, running_router
 from tests.router.simfleet import BLOCK_SIZE, sim_fleet
@@ -29,14 +26,6 @@ def _config(specs: list, policy: str = "cache_aware") -> RouterConfig:  # type: 
         host="127.0.0.1", port=0, policy=policy, workers=specs, block_size=BLOCK_SIZE,
         health_interval_s=0.5,
     )  # fmt: skip
-
-
-async def _until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met")
-        await asyncio.sleep(0.02)
 
 
 @pytest.mark.parametrize("use_agent", [True, False], ids=["agent", "direct-zmq"])
@@ -64,7 +53,7 @@ async def _check_cache_routing(app: object, client: openai.AsyncOpenAI) -> None:
     assert first.usage is not None
     num_prompt = first.usage.prompt_tokens
     expected_cached = (num_prompt // BLOCK_SIZE) * BLOCK_SIZE
-    await _until(
+    await wait_until(
         lambda: max(index.num_blocks_of(w) for w in index.workers()) >= num_prompt // BLOCK_SIZE
     )
     second = await client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=2)

@@ -9,14 +9,14 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import openai
 import pytest
 
 from router.app import INDEX, METRICS
 from tests.engines import VllmServer
+from tests.polling import wait_until
 from tests.router.e2e_checks import exercise_openai_client
 from tests.router.fakes import run
 from tests.router.vllm_fleet import routed_vllm, system_prompt
@@ -25,14 +25,6 @@ pytestmark = pytest.mark.vllm
 
 MODEL = "kvroute-tiny"
 BLOCK_SIZE = 32
-
-
-async def _until(predicate: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met")
-        await asyncio.sleep(0.05)
 
 
 def test_openai_client_through_router_to_vllm_workers_direct_zmq(
@@ -49,8 +41,9 @@ def test_openai_client_through_router_to_vllm_workers_direct_zmq(
                 assert first.usage is not None
                 full_blocks = first.usage.prompt_tokens // BLOCK_SIZE
                 index = app[INDEX]
-                await _until(
-                    lambda: max(index.num_blocks_of(w) for w in index.workers()) >= full_blocks
+                await wait_until(
+                    lambda: max(index.num_blocks_of(w) for w in index.workers()) >= full_blocks,
+                    timeout_s=20.0,
                 )
                 second = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
                 assert second.usage is not None and second.usage.prompt_tokens_details is not None

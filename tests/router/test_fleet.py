@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -13,6 +11,7 @@ import pytest
 from router.app import FLEET, INDEX, SESSION, create_app, start_server
 from router.config import WorkerSpec
 from router.fleet import PROVISIONAL_BLOCK_SIZE
+from tests.polling import wait_until
 from tests.router.fakes import (
     BLOCK_SIZE,
     MODEL,
@@ -85,9 +84,9 @@ def test_file_discovery_adds_and_removes_workers(tmp_path: Path) -> None:
             config = router_config([], workers_file=str(workers_file), discovery_interval_s=0.05)
             async with running_router(config) as (app, _):
                 index = app[INDEX]
-                await _until(lambda: sorted(index.workers()) == sorted([a.url, "b"]))
+                await wait_until(lambda: sorted(index.workers()) == sorted([a.url, "b"]))
                 workers_file.write_text(f"- url: {a.url}\n")
-                await _until(lambda: index.workers() == [a.url])
+                await wait_until(lambda: index.workers() == [a.url])
                 assert list(app[FLEET].workers) == [a.url]
                 workers_file.write_text("workers: [not a mapping")  # broken: keep last list
                 await asyncio.sleep(0.2)
@@ -99,14 +98,6 @@ def test_file_discovery_adds_and_removes_workers(tmp_path: Path) -> None:
 def test_worker_spec_strips_trailing_slashes_and_defaults_the_id() -> None:
     spec = WorkerSpec.parse("http://h:1/,agent=http://h:2/")
     assert (spec.url, spec.agent_url, spec.worker_id) == ("http://h:1", "http://h:2", "http://h:1")
-
-
-async def _until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met")
-        await asyncio.sleep(0.02)
 
 
 def test_worker_waits_for_its_agent_to_finish_the_first_sync() -> None:
@@ -149,7 +140,7 @@ def test_token_protected_agent_is_probed_and_streamed_with_the_token() -> None:
                 async with session.post(url + "/v1/completions", json=body) as resp:
                     assert resp.status == 200
                 # the agent's stream (also token-protected) relays the stored blocks
-                await _until(lambda: app[INDEX].num_blocks_of(view.worker_id) > 0)
+                await wait_until(lambda: app[INDEX].num_blocks_of(view.worker_id) > 0)
 
     run(main())
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
 
 import aiohttp
 import pytest
@@ -17,6 +16,7 @@ from aiohttp import web
 
 from router import upstream
 from router.app import FLEET, PROXY
+from tests.polling import wait_until
 from tests.router.fakes import (
     MODEL,
     FakeBehaviour,
@@ -185,7 +185,7 @@ def test_all_workers_at_cap_queue_then_429_with_retry_after() -> None:
             first = asyncio.create_task(session.post(url + "/v1/completions", json=UNARY_BODY))
             await asyncio.wait_for(worker.started.wait(), 5)
             queued = asyncio.create_task(session.post(url + "/v1/completions", json=UNARY_BODY))
-            await _until(lambda: _queue_depth(app) == 1)
+            await wait_until(lambda: _queue_depth(app) == 1, timeout_s=5.0)
             async with session.post(url + "/v1/completions", json=UNARY_BODY) as resp:
                 assert resp.status == 429
                 assert int(resp.headers["Retry-After"]) >= 1
@@ -231,21 +231,15 @@ def test_client_disconnect_cancels_the_upstream_request() -> None:
                 task.cancel()
             await asyncio.wait_for(worker.cancelled.wait(), 5)
             # the router released the request: in-flight load back to zero
-            await _until(lambda: all(v.load.num_inflight == 0 for v in app[FLEET].views()))
+            await wait_until(
+                lambda: all(v.load.num_inflight == 0 for v in app[FLEET].views()), timeout_s=5.0
+            )
 
     run(main())
 
 
 def _queue_depth(app: web.Application) -> int:
     return app[PROXY].queue.num_waiting
-
-
-async def _until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met")
-        await asyncio.sleep(0.02)
 
 
 def test_streaming_requests_reuse_the_pooled_upstream_connection() -> None:

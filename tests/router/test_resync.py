@@ -8,27 +8,16 @@ scheduler's verdict is forced, and the index is first made wrong on purpose.
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Callable
-
 import aiohttp
 import pytest
 
 from router.app import INDEX, METRICS, SCHEDULER
 from router.config import RouterConfig
+from tests.polling import wait_until
 from tests.router.fakes import run, running_router
 from tests.router.simfleet import BLOCK_SIZE, sim_fleet
 
 PROMPT = "".join(f"resync line {i} keeps the index honest. " for i in range(10))
-
-
-async def _until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met")
-        await asyncio.sleep(0.02)
 
 
 @pytest.mark.parametrize("use_agent", [True, False], ids=["agent", "direct-zmq"])
@@ -44,7 +33,7 @@ def test_persistent_drift_resyncs_the_worker_from_its_own_state(use_agent: bool)
                 async with session.post(url + "/v1/completions", json=body) as resp:
                     assert resp.status == 200
                 num_blocks = len(PROMPT) // BLOCK_SIZE
-                await _until(lambda: index.num_blocks_of(worker_id) >= num_blocks)
+                await wait_until(lambda: index.num_blocks_of(worker_id) >= num_blocks)
                 index.clear_worker(worker_id)  # the index lost track of the worker
                 assert index.num_blocks_of(worker_id) == 0
 
@@ -55,7 +44,7 @@ def test_persistent_drift_resyncs_the_worker_from_its_own_state(use_agent: bool)
                 scheduler.on_finish = original  # type: ignore[method-assign]
 
                 # the repeat stored nothing new: only the resync can bring the blocks back
-                await _until(lambda: index.num_blocks_of(worker_id) >= num_blocks)
+                await wait_until(lambda: index.num_blocks_of(worker_id) >= num_blocks)
                 resyncs = app[METRICS].registry.get_sample_value(
                     "kvroute_router_resyncs_total", {"worker": worker_id, "reason": "drift"}
                 )

@@ -3,9 +3,7 @@ bootstrap from the replay socket, and purge on a seq reset (engine restart)."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
-import time
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -14,6 +12,7 @@ from aiohttp import web
 from router.app import FLEET, INDEX
 from router.config import RouterConfig, WorkerSpec
 from router.fleet import PROVISIONAL_BLOCK_SIZE
+from tests.polling import wait_until
 from tests.router.fakes import run, running_router
 from tests.router.simfleet import BLOCK_SIZE
 from worker.models import model_dir
@@ -27,14 +26,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-async def _until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met")
-        await asyncio.sleep(0.02)
 
 
 @web.middleware
@@ -86,13 +77,13 @@ def test_late_join_bootstraps_from_replay_and_seq_reset_purges_the_worker() -> N
                     index = app[INDEX]
                     blocks_a = len(PROMPT_A) // BLOCK_SIZE
                     # joined late: the replay socket supplies what was published before
-                    await _until(lambda: index.num_blocks_of(engine_url) == blocks_a)
+                    await wait_until(lambda: index.num_blocks_of(engine_url) == blocks_a)
 
                     await sim.cleanup()  # engine restart: empty cache, seq from 0 again
                     sim = await _start_sim(*ports)
                     await _complete(session, url, PROMPT_B)
                     blocks_b = len(PROMPT_B) // BLOCK_SIZE
-                    await _until(lambda: index.num_blocks_of(engine_url) == blocks_b)
+                    await wait_until(lambda: index.num_blocks_of(engine_url) == blocks_b)
         finally:
             await sim.cleanup()
 
@@ -110,9 +101,9 @@ def test_block_size_unknown_at_probe_is_learnt_from_the_first_event() -> None:
                 view = app[FLEET].views()[0]
                 assert view.healthy and view.namespace.block_size == PROVISIONAL_BLOCK_SIZE
                 await _complete(session, url, PROMPT_A)
-                await _until(lambda: view.namespace.block_size == BLOCK_SIZE)
+                await wait_until(lambda: view.namespace.block_size == BLOCK_SIZE)
                 blocks_a = len(PROMPT_A) // BLOCK_SIZE
-                await _until(lambda: app[INDEX].num_blocks_of(engine_url) == blocks_a)
+                await wait_until(lambda: app[INDEX].num_blocks_of(engine_url) == blocks_a)
         finally:
             await sim.cleanup()
 

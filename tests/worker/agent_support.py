@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import aiohttp
 import zmq
@@ -256,22 +256,6 @@ class RecordingHandler:
     def _moved(self, cursor: tuple[Epoch, StreamSeq]) -> None:
         self.cursor = cursor
         self.changed.set()
-
-
-async def wait_until(
-    predicate: Callable[[], bool | Awaitable[bool]], timeout_s: float = 10.0, what: str = ""
-) -> None:
-    """Poll ``predicate`` every 20 ms until true; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = predicate()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what or predicate}")
-        await asyncio.sleep(0.02)
 
 
 @contextlib.asynccontextmanager

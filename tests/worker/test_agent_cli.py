@@ -10,13 +10,13 @@ from collections import Counter
 
 from kvindex.agent_protocol import Snapshot
 from kvindex.protocol import BlockStored
+from tests.polling import wait_until
 from tests.worker.agent_support import (
     FakeEngine,
     RefKey,
     apply_reference,
     read_messages,
     ready,
-    wait_until,
 )
 
 

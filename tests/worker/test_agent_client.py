@@ -26,7 +26,8 @@ from kvindex.agent_protocol import (
 )
 from kvindex.protocol import BlockStored, EventBatch
 from router.agent_client import AgentClient
-from tests.worker.agent_support import RecordingHandler, start_runner, wait_until
+from tests.polling import wait_until
+from tests.worker.agent_support import RecordingHandler, start_runner
 
 E1, E2 = Epoch(1_000), Epoch(2_000)
 Script = list[AgentMessage | bytes] | int  # an int: answer with that HTTP status

@@ -21,6 +21,7 @@ from kvindex.agent_protocol import (
     decode_info,
 )
 from kvindex.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from tests.polling import wait_until
 from tests.worker.agent_support import (
     FakeEngine,
     RecordingHandler,
@@ -29,7 +30,6 @@ from tests.worker.agent_support import (
     ready,
     running_agent,
     running_client,
-    wait_until,
 )
 
 BLOCK_SIZE = 4

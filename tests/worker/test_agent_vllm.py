@@ -22,6 +22,7 @@ import zmq.asyncio
 from kvindex.agent_protocol import Snapshot, decode_info
 from kvindex.protocol import SEQ_END_MARKER, decode_frame
 from tests.engines import VllmServer, reset_prefix_cache, start_all
+from tests.polling import wait_until
 from tests.worker.agent_support import (
     RecordingHandler,
     RefKey,
@@ -30,7 +31,6 @@ from tests.worker.agent_support import (
     ready,
     running_agent,
     running_client,
-    wait_until,
 )
 from worker.agent.app import AgentConfig
 
