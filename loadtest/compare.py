@@ -18,7 +18,13 @@ from pathlib import Path
 
 from loadtest.ceiling import workload_ceiling
 from loadtest.client import ClientConfig, run_requests
-from loadtest.fleet import Fleet, FleetConfig, FleetError
+from loadtest.fleet import (
+    Fleet,
+    FleetConfig,
+    FleetError,
+    add_fleet_arguments,
+    fleet_config_from_args,
+)
 from loadtest.report import PolicyRun, markdown_table, write_report
 from loadtest.stats import summarize
 from loadtest.workloads import WORKLOADS, LoadRequest, build_workload
@@ -141,28 +147,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="round_robin,cache_aware",
         help=f"comma-separated, run in order; 'all' = {','.join(ALL_POLICIES)}",
     )
-    parser.add_argument("--workers", type=int, default=4, help="number of workers")
-    parser.add_argument("--engine", choices=("sim", "vllm"), default="sim")
-    parser.add_argument("--model", default="tiny", help="shipped model: tiny or small")
-    parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument(
-        "--num-gpu-blocks",
-        type=int,
-        default=None,
-        help="KV blocks per worker (default: the engine's own)",
-    )
-    parser.add_argument(
-        "--worker-arg",
-        action="append",
-        default=[],
-        help="extra argument for every worker (repeatable)",
-    )
-    parser.add_argument(
-        "--router-arg",
-        action="append",
-        default=[],
-        help="extra argument for the router (repeatable)",
-    )
+    add_fleet_arguments(parser, startup_timeout_s=240.0)
     parser.add_argument(
         "--time-scale",
         type=float,
@@ -171,23 +156,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-duration-s", type=float, default=300.0)
     parser.add_argument("--request-timeout-s", type=float, default=120.0)
-    parser.add_argument("--startup-timeout-s", type=float, default=240.0)
     parser.add_argument("--out", type=Path, default=Path("kvroute-report"), help="report folder")
     parser.add_argument("--no-progress", action="store_true")
 
 
 def config_from_args(args: argparse.Namespace) -> CompareConfig:
     policies = ALL_POLICIES if args.policies == "all" else tuple(args.policies.split(","))
-    fleet = FleetConfig(
-        num_workers=args.workers,
-        engine=args.engine,
-        model=args.model,
-        block_size=args.block_size,
-        num_gpu_blocks=args.num_gpu_blocks,
-        worker_args=list(args.worker_arg),
-        router_args=list(args.router_arg),
-        startup_timeout_s=args.startup_timeout_s,
-    )
+    fleet = fleet_config_from_args(args)
     return CompareConfig(
         workload=args.workload,
         params=parse_params(args.params),

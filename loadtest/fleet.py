@@ -12,6 +12,7 @@ child binds it (a small race, acceptable on one machine).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -142,6 +143,47 @@ class FleetConfig:
     router_args: list[str] = field(default_factory=list)
     startup_timeout_s: float = 60.0
     log_dir: Path | None = None
+
+
+def add_fleet_arguments(parser: argparse.ArgumentParser, *, startup_timeout_s: float) -> None:
+    """The options that shape a local fleet, shared by `kvroute up` and `kvroute loadtest`."""
+    parser.add_argument("--workers", type=int, default=4, help="number of workers")
+    parser.add_argument("--engine", choices=("sim", "vllm"), default="sim")
+    parser.add_argument("--model", default="tiny", help="shipped model: tiny or small")
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        default=None,
+        help="KV blocks per worker (default: the engine's own)",
+    )
+    parser.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        help="extra argument for every worker (repeatable)",
+    )
+    parser.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        help="extra argument for the router (repeatable)",
+    )
+    parser.add_argument("--startup-timeout-s", type=float, default=startup_timeout_s)
+
+
+def fleet_config_from_args(args: argparse.Namespace) -> FleetConfig:
+    """The `FleetConfig` for options added by `add_fleet_arguments`."""
+    return FleetConfig(
+        num_workers=args.workers,
+        engine=args.engine,
+        model=args.model,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        worker_args=list(args.worker_arg),
+        router_args=list(args.router_arg),
+        startup_timeout_s=args.startup_timeout_s,
+    )
 
 
 def kvroute_command(*args: str) -> list[str]:

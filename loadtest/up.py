@@ -13,7 +13,7 @@ import sys
 import time
 from types import FrameType
 
-from loadtest.fleet import Fleet, FleetConfig, FleetError
+from loadtest.fleet import Fleet, FleetError, add_fleet_arguments, fleet_config_from_args
 
 
 class StopRequested(BaseException):
@@ -29,25 +29,8 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=int, default=4, help="number of workers")
-    parser.add_argument("--engine", choices=("sim", "vllm"), default="sim")
-    parser.add_argument("--model", default="tiny", help="shipped model: tiny or small")
+    add_fleet_arguments(parser, startup_timeout_s=300.0)
     parser.add_argument("--policy", default="cache_aware", help="router scheduling policy")
-    parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--num-gpu-blocks", type=int, default=None)
-    parser.add_argument(
-        "--worker-arg",
-        action="append",
-        default=[],
-        help="extra argument for every worker (repeatable)",
-    )
-    parser.add_argument(
-        "--router-arg",
-        action="append",
-        default=[],
-        help="extra argument for the router (repeatable)",
-    )
-    parser.add_argument("--startup-timeout-s", type=float, default=300.0)
 
 
 def describe(fleet: Fleet) -> str:
@@ -69,16 +52,7 @@ def describe(fleet: Fleet) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = FleetConfig(
-        num_workers=args.workers,
-        engine=args.engine,
-        model=args.model,
-        block_size=args.block_size,
-        num_gpu_blocks=args.num_gpu_blocks,
-        worker_args=list(args.worker_arg),
-        router_args=list(args.router_arg),
-        startup_timeout_s=args.startup_timeout_s,
-    )
+    config = fleet_config_from_args(args)
     signal.signal(signal.SIGINT, _raise_stop)
     signal.signal(signal.SIGTERM, _raise_stop)
     fleet = Fleet(config)
