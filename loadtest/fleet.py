@@ -199,7 +199,6 @@ class Fleet:
         self.router_port: int | None = None
         self._worker_children: list[Child] = []
         self._router_child: Child | None = None
-        self._agentless = False  # workers run without an agent (bare simulator)
         # NOTE: a temporary log folder is removed on stop(); errors quote the log tail.
         self._owns_log_dir = config.log_dir is None
         self._log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix="kvroute-fleet-"))
@@ -245,23 +244,20 @@ class Fleet:
         deadline = time.monotonic() + self.config.startup_timeout_s
         for endpoint, child in zip(self.workers, self._worker_children, strict=True):
             self._wait_ready(child, [endpoint.url + "/health"], deadline)
-            if not self._agentless:
-                agent_urls = [endpoint.agent_url + "/ready", endpoint.agent_url + "/health"]
-                self._wait_ready(child, agent_urls, deadline)
+            agent_urls = [endpoint.agent_url + "/ready", endpoint.agent_url + "/health"]
+            self._wait_ready(child, agent_urls, deadline)
 
     def start_router(self, policy: str, extra_args: list[str] | None = None) -> str:
         """Start the router with ``policy`` over the fleet's workers; returns its URL."""
         self.stop_router()
         self.router_port = free_port()
-        # NOTE: --block-size is only the router's fallback for workers that do not tell
-        # (the bare simulator has neither an agent nor vLLM's cache_config_info metric).
+        # NOTE: --block-size is only the router's fallback for workers that do not tell.
         argv = kvroute_command(
             "router", "--host", HOST, "--port", str(self.router_port), "--policy", policy,
             "--block-size", str(self.config.block_size),
         )  # fmt: skip
         for endpoint in self.workers:
-            bare = f"{endpoint.url},id={endpoint.worker_id}"
-            argv += ["--worker", bare if self._agentless else endpoint.router_spec]
+            argv += ["--worker", endpoint.router_spec]
         argv += [*self.config.router_args, *(extra_args or [])]
         self._router_child = self._spawn(f"router-{policy}", argv)
         deadline = time.monotonic() + self.config.startup_timeout_s
@@ -336,7 +332,6 @@ class Fleet:
     # -- internal helpers ---------------------------------------------------------
 
     def _worker_argv(self, endpoint: WorkerEndpoint) -> list[str]:
-        from router.cli import SUBCOMMANDS
         from worker.models import model_dir
 
         common = [
@@ -348,11 +343,6 @@ class Fleet:
         ]  # fmt: skip
         if self.config.num_gpu_blocks is not None:
             common += ["--num-gpu-blocks", str(self.config.num_gpu_blocks)]
-        if "worker" not in SUBCOMMANDS and self.config.engine == "sim":
-            # NOTE: without `kvroute worker` (no agent), the bare simulator still works:
-            # the router then subscribes to its ZMQ events directly, as to a stock vLLM.
-            self._agentless = True
-            return [sys.executable, "-m", "worker.sim", *common, *self.config.worker_args]
         argv = kvroute_command("worker", "--engine", self.config.engine, *common)
         argv += ["--agent-port", str(endpoint.agent_port)]
         if self.config.engine == "vllm":
