@@ -38,7 +38,6 @@ def describe(fleet: Fleet) -> str:
         f"kvroute is up: {len(fleet.workers)} workers behind one router",
         f"  endpoint:        {fleet.router_url}/v1   (OpenAI API)",
         f"  router metrics:  {fleet.router_url}/metrics",
-        f"  dashboard:       {fleet.router_url}/dashboard   (not built yet)",
     ]
     for w in fleet.workers:
         lines.append(
