@@ -13,8 +13,10 @@ Invariants (``check_invariants`` verifies them all):
 
 - bit ``w`` is set in ``block_to_mask[tier][h]`` iff worker ``w`` has a live engine hash
   mapping to ``h`` in that tier; no mask is ever 0;
-- a worker never holds a block both predicted and real (a store confirms a prediction;
-  ``predict`` skips blocks already held); every prediction expires after the largest
+- a prediction entry of a block the worker also holds for real is *inert*: it is
+  never counted or seen as predicted, and a BlockRemoved of the block drops it (a
+  store confirms a live prediction; ``predict`` records without probing, see its
+  NOTE); every prediction expires after the largest
   ``now`` seen so far;
 - counters (``num_blocks`` per worker and in total, predictions, events, errors) are
   kept incrementally and equal what a full recount gives.
@@ -32,9 +34,9 @@ from __future__ import annotations
 
 import heapq
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from itertools import chain, compress, repeat
-from operator import and_, is_, lt, not_, or_
+from operator import is_, lt, or_
 from typing import cast
 
 from kvindex.hashing import BlockHash, EngineBlockHash, Namespace, chain_hashes
@@ -43,6 +45,7 @@ from kvindex.index_types import (
     INT_OBJECT_BYTES,
     MAX_CACHED_ROOTS,
     NUM_TIERS,
+    PREDICTED_LAYER,
     IndexStats,
     Tier,
     tier_of_medium,
@@ -90,8 +93,9 @@ class PrefixIndex(IndexState):
         return 0 if state is None else state.num_blocks
 
     def num_predicted_of(self, worker: WorkerId) -> int:
+        """Blocks ``worker`` holds only predicted. O(its prediction entries)."""
         state = self._workers.get(worker)
-        return 0 if state is None else len(state.predicted_until)
+        return 0 if state is None else self._num_live_predictions(state)
 
     # --- public API: events -------------------------------------------------------
 
@@ -129,18 +133,25 @@ class PrefixIndex(IndexState):
     ) -> None:
         """Mark ``hashes`` as about to be held by ``worker`` until ``now + ttl``.
 
-        Blocks it already holds are skipped; an existing prediction is only extended.
-        A later BlockStored of a block confirms it (turns it real). O(len(hashes)).
+        An existing prediction is only extended. A later BlockStored of a block confirms
+        it (turns it real). O(len(hashes)) operations on small maps; the big tier maps
+        are never probed here.
 
         ``num_leading_held``: the caller's knowledge, from a ``lookup`` at this same
         ``now`` with no event since, that ``worker`` holds the first that many
-        ``hashes`` (real or predicted). Those are not probed in the big tier maps: a
-        worker never holds a block both ways, so among them exactly the predicted
-        ones need extending. A wrong hint skips or extends the wrong blocks.
+        ``hashes`` (real or predicted): only the predicted ones among them are
+        extended, the real ones get no entry. A wrong hint only adds inert entries
+        or extends the wrong predictions.
 
-        NOTE: the filters run in C (``map`` of dict probes, ``compress``), and new
-        predictions go in with ``dict.update``: ~3x cheaper than a Python loop per
-        block, and a pick predicts a whole prompt (hundreds of blocks).
+        NOTE: a block the worker already holds for real is recorded without checking
+        (an *inert* entry): the lookup counts the block in its real tier, the counts
+        and the snapshot leave it out, and a BlockRemoved of it drops the entry, so
+        it is never seen as predicted (the contract: a prediction is never made for a
+        block already held). Checking at predict time cost a probe of the ~1M-key
+        tier maps per new block, cache misses every time (~0.4 us each: half of a
+        pick's commit phase); removals are rarer than picks' blocks and happen off
+        the routing path. The filters and updates run in C (``map``, ``compress``,
+        ``dict.update``).
         """
         self._expire(now)
         state = self._workers.get(worker)
@@ -150,21 +161,16 @@ class PrefixIndex(IndexState):
         until = now + ttl
         if until <= self._now:
             return
-        gpu, cpu, disk, predicted = self._layers
+        predicted = self._layers[PREDICTED_LAYER]
         bit = state.bit
         predicted_until = state.predicted_until
-        head: Iterable[BlockHash] = ()
+        # our hashes to record, each once, in order
         if num_leading_held > 0:
             leading = hashes[:num_leading_held]
             head = compress(leading, map(predicted_until.__contains__, leading))
-            hashes = hashes[num_leading_held:]
-        held: Iterable[int] = map(gpu.get, hashes, repeat(0))
-        for tier in (cpu, disk):
-            if tier:
-                held = map(or_, held, map(tier.get, hashes, repeat(0)))
-        # our hashes the worker does not hold for real, each once, in order
-        tail = compress(hashes, map(not_, map(and_, held, repeat(bit))))
-        candidates = dict.fromkeys(chain(head, tail))
+            candidates = dict.fromkeys(chain(head, hashes[num_leading_held:]))
+        else:
+            candidates = dict.fromkeys(hashes)
         if predicted_until:
             olds = list(map(predicted_until.get, candidates, repeat(_ABSENT)))
             new = list(compress(candidates, map(is_, olds, repeat(_ABSENT))))
@@ -174,7 +180,6 @@ class PrefixIndex(IndexState):
         if new:
             masks = map(or_, map(predicted.get, new, repeat(0)), repeat(bit))
             predicted.update(zip(new, masks, strict=True))
-            self._num_predicted += len(new)
         recorded = new + extended if extended else new
         if recorded:
             predicted_until.update(zip(recorded, repeat(until)))
@@ -199,7 +204,7 @@ class PrefixIndex(IndexState):
         return walk_tiered(hashes, self._layers, self._all_mask, self._slot_to_worker)
 
     def stats(self) -> IndexStats:
-        """Counters as of the largest ``now`` seen. O(workers)."""
+        """Counters as of the largest ``now`` seen. O(workers + prediction entries)."""
         containers: list[object] = [*self._layers]
         num_keys = sum(len(layer) for layer in self._layers)
         for state in self._workers.values():
@@ -209,7 +214,7 @@ class PrefixIndex(IndexState):
         return IndexStats(
             num_blocks=self._num_blocks,
             num_distinct_blocks=sum(len(layer) for layer in self._layers[:NUM_TIERS]),
-            num_predicted=self._num_predicted,
+            num_predicted=sum(map(self._num_live_predictions, self._workers.values())),
             num_workers=len(self._workers),
             bytes_estimate=sum(sys.getsizeof(c) for c in containers) + num_keys * INT_OBJECT_BYTES,
             events_applied=self._events_applied,
@@ -295,7 +300,6 @@ class PrefixIndex(IndexState):
                 and (gpu.get(h, 0) | cpu.get(h, 0) | disk.get(h, 0)) & bit
             ):
                 del state.predicted_until[h]
-                self._num_predicted -= 1
                 self._clear_bit(predicted, h, bit)
 
     def _apply_removed(self, state: WorkerState, event: BlockRemoved) -> None:
@@ -310,6 +314,8 @@ class PrefixIndex(IndexState):
             if h is None:
                 self._count_error("unknown_block")
                 continue
+            if h in state.predicted_until:  # inert (h is real): it must not outlive h
+                self._drop_prediction(state, h)
             key = (tier, e)
             copies = state.engine_extra_copies.get(key)
             if copies:

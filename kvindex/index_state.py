@@ -12,9 +12,9 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from itertools import compress, repeat
-from operator import and_, eq
+from operator import and_, eq, or_
 from typing import Self
 
 import msgspec
@@ -83,7 +83,6 @@ class IndexState:
         self._expiry_seq = 0
         self._now = float("-inf")  # largest `now` seen
         self._num_blocks = 0
-        self._num_predicted = 0
         self._events_applied = 0
         self._errors: dict[str, int] = {}
 
@@ -138,7 +137,6 @@ class IndexState:
         state.engine_extra_copies.clear()
         state.block_extra_refs.clear()
         self._clear_bits(self._layers[PREDICTED_LAYER], state.predicted_until, state.bit)
-        self._num_predicted -= len(state.predicted_until)
         state.predicted_until = {}
 
     def snapshot(self) -> bytes:
@@ -150,7 +148,10 @@ class IndexState:
                 for tier, engine_to_block in enumerate(state.engine_to_block)
                 for e, h in engine_to_block.items()
             ]
-            predicted: list[tuple[int, float]] = list(state.predicted_until.items())
+            real = self._real_mask_getter(state)
+            predicted: list[tuple[int, float]] = [
+                (h, until) for h, until in state.predicted_until.items() if not real(h)
+            ]
             fields = namespace_fields(state.namespace)
             workers.append(WorkerSnapshot(state.worker, fields, blocks, predicted))
         errors = dict(self._errors)
@@ -177,7 +178,7 @@ class IndexState:
     def check_invariants(self) -> None:
         """Recount everything from the per-worker maps. Raises AssertionError. O(size)."""
         expected: list[dict[BlockHash, int]] = [{}, {}, {}, {}]
-        num_blocks = num_predicted = all_mask = 0
+        num_blocks = all_mask = 0
         heap_entries = {
             (id(state), h, until) for until, _, state, hashes in self._expiry_heap for h in hashes
         }
@@ -187,19 +188,43 @@ class IndexState:
             _require(state.bit == 1 << state.slot, f"{worker}: bit")
             all_mask |= state.bit
             num_blocks += self._check_worker(state, expected)
-            num_predicted += len(state.predicted_until)
             for h, until in state.predicted_until.items():
                 _require((id(state), h, until) in heap_entries, f"{worker}: no expiry for {h}")
         _require(all_mask == self._all_mask, "all_mask")
         for layer_index, layer in enumerate(self._layers):
             _require(layer == expected[layer_index], f"layer {layer_index} masks")
         _require(num_blocks == self._num_blocks, "num_blocks")
-        _require(num_predicted == self._num_predicted, "num_predicted")
         free = [s for s, state in enumerate(self._slot_to_state) if state is None]
         _require(sorted(free) == sorted(self._free_slots), "free slots")
 
     def _count_error(self, kind: ErrorKind) -> None:
         self._errors[kind] = self._errors.get(kind, 0) + 1
+
+    def _real_mask_getter(self, state: WorkerState) -> Callable[[BlockHash], int]:
+        """A function: our hash -> non-zero iff ``state``'s worker holds it for real."""
+        gpu, cpu, disk = self._layers[:NUM_TIERS]
+        bit = state.bit
+        return lambda h: (gpu.get(h, 0) | cpu.get(h, 0) | disk.get(h, 0)) & bit
+
+    def _num_live_predictions(self, state: WorkerState) -> int:
+        """Prediction entries of ``state`` that are not inert (block not held real).
+
+        NOTE: recounted on demand (O(entries), dict probes in C), not kept as a counter:
+        ``predict`` does not know which of its entries are inert (see its NOTE).
+        """
+        predicted_until = state.predicted_until
+        if not predicted_until:
+            return 0
+        gpu, cpu, disk = self._layers[:NUM_TIERS]
+        held: Iterable[int] = map(gpu.get, predicted_until, repeat(0))
+        for tier in (cpu, disk):
+            if tier:
+                held = map(or_, held, map(tier.get, predicted_until, repeat(0)))
+        return len(predicted_until) - sum(map(bool, map(and_, held, repeat(state.bit))))
+
+    def _drop_prediction(self, state: WorkerState, h: BlockHash) -> None:
+        del state.predicted_until[h]
+        self._clear_bit(self._layers[PREDICTED_LAYER], h, state.bit)
 
     def _store_duplicate(
         self, state: WorkerState, tier: int, e: EngineBlockHash, h: BlockHash
@@ -256,7 +281,6 @@ class IndexState:
         if not due:
             return
         _drain(map(predicted_until.pop, due))
-        self._num_predicted -= len(due)
         predicted = self._layers[PREDICTED_LAYER]
         bit = state.bit
         if any(map(and_, map(predicted.__getitem__, due), repeat(~bit))):
@@ -297,7 +321,6 @@ class IndexState:
                 raise ValueError(f"bad prediction {(h, until)} for {worker}")
             state.predicted_until[block] = until
             predicted[block] = predicted.get(block, 0) | state.bit
-            self._num_predicted += 1
             until_to_hashes.setdefault(until, []).append(block)
         for until, hashes in until_to_hashes.items():
             self._expiry_seq += 1
@@ -316,9 +339,7 @@ class IndexState:
             _require(copies > 0, f"{state.worker}: copies of {e}")
             _require(e in state.engine_to_block[tier], f"{state.worker}: copies of unknown {e}")
         _require(len(block_refs) == state.num_blocks, f"{state.worker}: num_blocks")
-        real = {h for _, h in block_refs}
         for h, until in state.predicted_until.items():
-            _require(h not in real, f"{state.worker}: {h} both predicted and real")
             _require(until > self._now, f"{state.worker}: {h} expired but kept")
             layer = expected[PREDICTED_LAYER]
             layer[h] = layer.get(h, 0) | state.bit

@@ -208,6 +208,29 @@ def test_predicting_a_block_twice_in_one_call_counts_it_once(
     index.check_invariants()
 
 
+def test_a_held_block_predicted_is_not_predicted_once_removed(
+    index: PrefixIndex, namespace: Namespace, sequences: list[list[int]]
+) -> None:
+    """``predict`` records held blocks without probing (inert entries); the contract
+    is still the reference's: no prediction is made for a block already held, so a
+    removal of it within the TTL leaves it neither real nor predicted."""
+    s0 = sequences[0]
+    hashes = query(namespace, s0, 3)
+    index.apply(A, span(s0, 0, 2).stored())
+    index.apply(A, span(s0, 0, 2).stored(medium="CPU"))
+    index.predict(A, hashes, ttl=5.0, now=1.0)
+    assert index.num_predicted_of(A) == 1 and index.stats().num_predicted == 1
+    assert index.lookup(hashes, now=1.0)[A] == Overlap(3, 2, 0, 0, 1)
+    index.apply(A, span(s0, 1, 1).removed(), now=2.0)  # block 1 still held on CPU
+    assert index.lookup(hashes, now=2.0)[A] == Overlap(3, 1, 1, 0, 1)
+    index.apply(A, span(s0, 1, 1).removed(medium="CPU"), now=2.0)
+    assert index.lookup(hashes, now=2.0)[A] == Overlap(1, 1, 0, 0, 0)
+    assert index.num_predicted_of(A) == 1  # block 2 only
+    restored = PrefixIndex.restore(index.snapshot())
+    assert restored.lookup(hashes, now=2.0) == index.lookup(hashes, now=2.0)
+    index.check_invariants()
+
+
 def test_predict_with_the_lookup_run_as_hint_equals_predict_without(
     namespace: Namespace, sequences: list[list[int]]
 ) -> None:
