@@ -7,10 +7,29 @@
     running(w)  = max(load.num_running, load.num_inflight)
     ttft(w)     = overhead(w) + s_prefill(w) * (queued(w) + uncached(w))
                 + s_running(w) * running(w)
-    score(w)    = ttft(w) + added_work_weight * s_prefill(w) * uncached(w)
+    score(w)    = ttft(w) + added_work_weight * share(w) / (1 - rho(w))
+                          * s_prefill(w) * uncached(w)
+    share(w)    = (rho(w) + eps) / (mean_rho + eps)
 
 ``overhead``, ``s_prefill`` (seconds per prefill token) and ``s_running`` are learned
-per worker (``rates.py``); ``added_work_weight`` is cache_aware's parameter (0.5).
+per worker (``rates.py``); ``added_work_weight`` is cache_aware's parameter (0.5);
+``rho(w)`` is the worker's recent utilisation by the prefill this router sent it and
+``mean_rho`` the fleet's mean (``utilization.py``; both 0 when the term is off, which
+makes the factor 1).
+
+NOTE: the prefill a request adds costs more than its own TTFT, and more on a worker that
+has lately taken more than its share of the work:
+- it delays the later requests there; in a single-server queue the mean wait grows like
+  ``1 / (1 - rho)``;
+- the blocks it stores evict others. A worker that takes more than its share of new
+  blocks turns its cache over faster than the rest of the fleet, so its evictions cost
+  more future hits: a fleet of caches comes close to one LRU cache of the fleet's size
+  (the ceiling) only when every worker's turnover is the same.
+At light load every queue is empty at pick time and TTFT alone cannot tell workers
+apart (a few per cent of noise in the learned rates then decides, and conversations and
+heavy-tailed prompts pile onto one worker); ``share`` sends new, uncached work to the
+workers that have taken less, at any load level. A request that is mostly cached
+somewhere adds little work there and stays: its saving outweighs the term.
 
 ``hit_tokens`` is what the engine can reuse: the leading blocks the index says ``w``
 holds (any tier, or predicted), capped like vLLM caps a hit (it always recomputes at
@@ -91,14 +110,32 @@ def decode_batch(load: WorkerLoad) -> int:
     return max(load.num_running, load.num_inflight)
 
 
-def expected_ttft(
-    rates: WorkerRates, load: WorkerLoad, uncached_tokens: float, added_work_weight: float = 0.0
+SHARE_SMOOTHING = 0.01  # ``eps`` in ``share``: 1 % utilisation; 0/0 (no work yet) reads as 1
+
+
+def added_work_factor(
+    added_work_weight: float, utilization: float, mean_utilization: float
 ) -> float:
-    """Expected TTFT in seconds, plus ``added_work_weight`` x the prefill time this
-    request adds (see ``policies/cache_aware.py``). Lower is better."""
+    """``1 + added_work_weight * share / (1 - rho)``: what one uncached token weighs."""
+    share = (utilization + SHARE_SMOOTHING) / (mean_utilization + SHARE_SMOOTHING)
+    return 1.0 + added_work_weight * share / (1.0 - utilization)
+
+
+def expected_ttft(
+    rates: WorkerRates,
+    load: WorkerLoad,
+    uncached_tokens: float,
+    added_work_weight: float = 0.0,
+    utilization: float = 0.0,
+    mean_utilization: float = 0.0,
+) -> float:
+    """Expected TTFT in seconds, plus the weighted prefill time this request adds (module
+    docstring; ``added_work_factor``). Lower is better.
+
+    ``utilization`` must be in ``[0, 1)``."""
     work = (
         load.prefill_tokens_queued
         + load.inflight_prefill_tokens
-        + uncached_tokens * (1.0 + added_work_weight)
+        + uncached_tokens * added_work_factor(added_work_weight, utilization, mean_utilization)
     )
     return rates.predict_ttft(work, max(load.num_running, load.num_inflight))

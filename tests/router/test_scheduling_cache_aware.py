@@ -125,7 +125,7 @@ def test_hashes_once_per_namespace_and_respects_block_size_and_salt() -> None:
 def test_ties_break_at_random() -> None:
     index, workers = make_fleet(4)
     chosen = Counter()
-    sched = scheduler(index, "cache_aware")
+    sched = scheduler(index, "cache_aware", busy_window_s=0.0)  # no busy term: true ties
     for seed in range(200):
         decision = sched.pick(request(tokens(seed, 3 * BLOCK)), workers)
         assert decision is not None
@@ -204,21 +204,29 @@ def test_inlined_scores_equal_the_cost_model_bit_for_bit() -> None:
     sched = scheduler(index, "cache_aware", added_work_weight=0.3)
     sched.rates.observe(workers[3].worker_id, prefill_tokens=900, num_running=2, ttft_s=0.4)
     policy = sched.policy
-    assert isinstance(policy, CacheAwarePolicy)
+    assert isinstance(policy, CacheAwarePolicy) and policy.busy is not None
+    policy.busy.add(workers[1].worker_id, 4.0, now=1.0)  # recently busy workers
+    policy.busy.add(workers[3].worker_id, 90.0, now=2.0)  # capped at max_utilization
+    policy.busy.add(workers[5].worker_id, 1.5, now=3.0)
+    now = 7.5
     ctx = PickContext(
         request(prompt), workers, index=index, rates=sched.rates, rng=random.Random(0),
-        now=0.0, resolve_namespace=sched.effective_namespace,
+        now=now, resolve_namespace=sched.effective_namespace,
     )  # fmt: skip
     overlaps = ctx.overlaps(workers[0])
     assert overlaps["w0"] == overlaps["w1"]
+    rhos = [policy.utilization(w.worker_id, now) for w in workers]
+    assert len({rho for rho in rhos if rho > 0}) == 3 and max(rhos) == policy.busy.max_utilization
     expected = [
         expected_ttft(
             sched.rates.rates_of(w.worker_id),
             w.load,
             effective_uncached_tokens(overlaps.get(w.worker_id), BLOCK, len(prompt), policy.costs),
             0.3,
+            rho,
+            policy.mean_utilization(ctx),
         )
-        for w in workers
+        for w, rho in zip(workers, rhos, strict=True)
     ]
     assert policy.expected_ttfts(ctx) == expected
     assert len(set(expected)) == len(workers)  # the case is not degenerate
@@ -274,3 +282,58 @@ def test_prefix_chain_cache_gives_the_full_hashes_of_every_prompt() -> None:
             assert decision is not None
             assert decision.block_hashes == hash_prompt(NS.with_salt(salt), prompt)
             finish(sched, decision)
+
+
+def _light_load_imbalance(busy_window_s: float, seed: int) -> float:
+    """Requests one at a time (every queue empty at pick), heavy-tailed sizes, all sharing
+    the first block, on 8 equally fast workers whose rates are learned from the TTFTs:
+    max / mean over workers of the prefill tokens routed there."""
+    index, workers = make_fleet(8)
+    first_block = tokens(9, BLOCK)
+    for worker in workers:
+        store(index, worker.worker_id, first_block)
+    clock = [0.0]
+    policy = CacheAwarePolicy(busy_window_s=busy_window_s)
+    sched = Scheduler(index, policy, rng=random.Random(seed), clock=lambda: clock[0])
+    rng = random.Random(seed)
+    worker_to_work: Counter[str] = Counter()
+    for i in range(300):
+        clock[0] += rng.expovariate(12.0)  # ~0.25 utilisation per worker
+        num_tokens = min(int(rng.paretovariate(1.3) * 1600), 64_000)  # a few very long
+        unique = range(1_000_000 * (i + 1), 1_000_000 * (i + 1) + num_tokens)
+        decision = sched.pick(request([*first_block, *unique]), workers)
+        assert decision is not None
+        worker_to_work[decision.worker_id] += decision.inflight_prefill_tokens
+        # every worker is equally fast: 10 ms + 50 us per prefill token
+        sched.on_first_token(decision, 0.01 + 5e-5 * decision.inflight_prefill_tokens)
+        sched.on_finish(decision, num_cached_tokens=None, ok=True)
+    work = [worker_to_work[w.worker_id] for w in workers]
+    return max(work) / (sum(work) / len(work))
+
+
+def test_busy_term_balances_new_work_at_light_load() -> None:
+    """With empty queues TTFT cannot tell workers apart; the busy term sends new work to
+    the least busy worker, where random ties leave heavy prompts piled up."""
+    with_busy = [_light_load_imbalance(60.0, seed) for seed in range(5)]
+    without = [_light_load_imbalance(0.0, seed) for seed in range(5)]
+    # heavy tails keep it above 1 (one prompt can be 40x the median); random ties and
+    # rate noise without the term give 3.8-6.5 on these seeds, the term 1.1-1.4
+    assert max(with_busy) <= 1.5
+    assert sum(with_busy) < 0.5 * sum(without)
+
+
+def test_busy_worker_keeps_a_mostly_cached_request() -> None:
+    """A conversation's next turn stays where its history is cached even when that worker
+    has been the busiest: the saving outweighs the little work it adds there."""
+    index, workers = make_fleet(4)
+    history = tokens(10, 60 * BLOCK)
+    store(index, "w2", history)
+    policy = CacheAwarePolicy()
+    assert policy.busy is not None
+    policy.busy.add(workers[2].worker_id, 20.0, now=0.0)  # w2 near saturation
+    sched = Scheduler(index, policy, rng=random.Random(0), clock=lambda: 1.0)
+    decision = sched.pick(request([*history, *tokens(11, 4 * BLOCK)]), workers)
+    assert decision is not None and decision.worker_id == "w2"
+    # The same worker loses an uncached request to an idle one.
+    decision = sched.pick(request(tokens(12, 64 * BLOCK)), workers)
+    assert decision is not None and decision.worker_id != "w2"

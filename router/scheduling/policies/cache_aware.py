@@ -5,9 +5,14 @@ this prompt's tokens it has not cached (CPU/disk-tier and predicted blocks charg
 fraction), times its learned seconds per prefill token, plus its overhead and a
 decode-load term (see ``router.scheduling.cost_model`` for the formula).
 
-To that TTFT the score adds ``added_work_weight x uncached x seconds_per_prefill_token``:
-the prefill this request adds delays every later request on that worker, which a pure
-TTFT greedy ignores. NOTE: without it a burst of requests on one new long prefix is a
+To that TTFT the score adds ``added_work_weight x share / (1 - rho) x uncached x
+seconds_per_prefill_token``: the prefill this request adds delays later requests on that
+worker and evicts blocks there, which a pure TTFT greedy ignores, and both cost more on
+a worker that has lately taken more than its share (``rho``: its recent utilisation by
+the prefill this router sent it, ``RecentUtilization`` over ``busy_window_s``; ``share``:
+rho over the candidates' mean; see ``cost_model``).
+
+NOTE: without the added-work term a burst of requests on one new long prefix is a
 wash for TTFT (the second request waits for the first's prefill either way) and the
 greedy spreads the prefix's prefill over every worker; with the default 0.5 the burst
 lands together (predicted blocks) until the queue there outweighs the saved prefill,
@@ -29,7 +34,11 @@ from collections.abc import Mapping
 
 from kvindex.hashing import Namespace
 from kvindex.index import Overlap
-from router.scheduling.cost_model import TierCosts, effective_uncached_tokens
+from router.scheduling.cost_model import (
+    SHARE_SMOOTHING,
+    TierCosts,
+    effective_uncached_tokens,
+)
 from router.scheduling.policy import (
     BasePolicy,
     ParamSpec,
@@ -39,7 +48,8 @@ from router.scheduling.policy import (
     argmin_random_tie,
 )
 from router.scheduling.rates import RUNNING_SCALE, TOKEN_SCALE, WorkerRates
-from router.scheduling.types import WorkerId, WorkerView
+from router.scheduling.types import Decision, WorkerId, WorkerView
+from router.scheduling.utilization import RecentUtilization
 
 
 class CacheAwarePolicy(BasePolicy):
@@ -51,14 +61,41 @@ class CacheAwarePolicy(BasePolicy):
         costs: TierCosts | None = None,
         temperature: float = 0.0,
         added_work_weight: float = 0.5,
+        busy_window_s: float = 60.0,
     ) -> None:
         if temperature < 0:
             raise ValueError("temperature must be >= 0")
         if added_work_weight < 0:
             raise ValueError("added_work_weight must be >= 0")
+        if busy_window_s < 0:
+            raise ValueError("busy_window_s must be >= 0")
         self.costs = costs or TierCosts()
         self.temperature = temperature
         self.added_work_weight = added_work_weight
+        # None: the busy term is off (rho = 0 for every worker)
+        self.busy = RecentUtilization(busy_window_s) if busy_window_s > 0 else None
+
+    def on_routed(self, ctx: PickContext, decision: Decision) -> None:
+        """Charge the chosen worker the prefill seconds this request adds there."""
+        if self.busy is None or decision.inflight_prefill_tokens <= 0:
+            return
+        rates = ctx.rates.rates_of(decision.worker_id)
+        seconds = decision.inflight_prefill_tokens * rates.seconds_per_prefill_token
+        self.busy.add(decision.worker_id, seconds, ctx.now)
+
+    def forget_worker(self, worker_id: WorkerId) -> None:
+        if self.busy is not None:
+            self.busy.forget(worker_id)
+
+    def utilization(self, worker_id: WorkerId, now: float) -> float:
+        """``rho`` of ``worker_id`` as the score reads it (0 when the term is off)."""
+        return 0.0 if self.busy is None else self.busy.utilization(worker_id, now)
+
+    def mean_utilization(self, ctx: PickContext) -> float:
+        """``mean_rho`` over the candidates as the score reads it (0 when off)."""
+        if self.busy is None:
+            return 0.0
+        return self.busy.mean_utilization(len(ctx.candidates), ctx.now)
 
     def choose(self, ctx: PickContext) -> WorkerView:
         candidates = ctx.candidates
@@ -71,11 +108,12 @@ class CacheAwarePolicy(BasePolicy):
         """Scores (seconds) per candidate, in candidate order.
 
         Equal, bit for bit, to ``cost_model.expected_ttft(rates, load, uncached,
-        added_work_weight)`` per candidate (a test checks it). NOTE: that formula is
-        inlined here (same operations, same order) because the calls cost more than
-        the arithmetic: this loop runs once per worker per request. The index shares
-        one ``Overlap`` among workers with the same run, so the uncached work is
-        computed once per distinct (overlap, block size), not once per worker.
+        added_work_weight, rho, mean_rho)`` per candidate (a
+        test checks it). NOTE: that formula is inlined here (same operations, same
+        order) because the calls cost more than the arithmetic: this loop runs once
+        per worker per request. The index shares one ``Overlap`` among workers with
+        the same run, so the uncached work is computed once per distinct (overlap,
+        block size), not once per worker.
         """
         num_prompt_tokens = len(ctx.request.prompt_token_ids)
         max_hit_tokens = num_prompt_tokens - 1  # vLLM always computes the last token
@@ -83,7 +121,14 @@ class CacheAwarePolicy(BasePolicy):
         worker_to_rates = learner.worker_to_rates
         shared_rates: WorkerRates | None = None  # what every unseen worker reads
         costs = self.costs
-        factor = 1.0 + self.added_work_weight
+        added_work_weight = self.added_work_weight
+        busy = self.busy
+        # rho(w) = scaled(w) * busy_scale, capped (RecentUtilization.utilization, inlined)
+        worker_to_scaled = busy.worker_to_scaled if busy is not None else {}
+        busy_scale = busy.scale(ctx.now) if busy is not None else 0.0
+        max_rho = busy.max_utilization if busy is not None else 0.0
+        mean_rho = self.mean_utilization(ctx)
+        eps = SHARE_SMOOTHING
         scores: list[float] = []
         append = scores.append
         root_to_overlaps: dict[int, dict[WorkerId, Overlap]] = {}  # one lookup per namespace
@@ -124,8 +169,16 @@ class CacheAwarePolicy(BasePolicy):
             if rates is None:
                 rates = shared_rates = shared_rates or learner.rates_of(worker_id)
             theta_0, theta_1, theta_2 = rates.theta
+            rho = worker_to_scaled.get(worker_id, 0.0) * busy_scale
+            if rho > max_rho:
+                rho = max_rho
             load = worker.load
-            work = load.prefill_tokens_queued + load.inflight_prefill_tokens + uncached * factor
+            work = (
+                load.prefill_tokens_queued
+                + load.inflight_prefill_tokens
+                + uncached
+                * (1.0 + added_work_weight * ((rho + eps) / (mean_rho + eps)) / (1.0 - rho))
+            )
             running = load.num_running
             num_inflight = load.num_inflight
             if num_inflight > running:  # max(), without the call
@@ -149,6 +202,7 @@ def _create(params: Mapping[str, ParamValue]) -> CacheAwarePolicy:
         costs=costs,
         temperature=float(params["temperature"]),
         added_work_weight=float(params["added_work_weight"]),
+        busy_window_s=float(params["busy_window_s"]),
     )
 
 
@@ -165,6 +219,13 @@ SPEC = PolicySpec(
             float,
             0.5,
             "weight of the prefill a request adds to a worker (delays later requests)",
+        ),
+        ParamSpec(
+            "busy_window_s",
+            float,
+            60.0,
+            "window (s) of each worker's recent utilisation, which scales the added-work "
+            "weight by 1 / (1 - utilisation); 0 turns it off",
         ),
     ),
     factory=_create,
