@@ -2,7 +2,8 @@
 
 Shared state lives under typed ``web.AppKey``s. Each resource has its own
 ``cleanup_ctx`` entry, so teardown is paired with setup and runs in reverse order:
-the client session, the event subscriptions, discovery, the health checker.
+the client session, the pool of upstream connections for proxied requests, the event
+subscriptions, discovery, the health checker.
 
 Auth seam: ``create_app(config, middlewares=[...])`` puts extra request middlewares
 after the error middleware (so their ``ApiError``s render as OpenAI JSON) and before
@@ -32,6 +33,7 @@ from router.proxy import Proxy
 from router.scheduling.registry import create_policy
 from router.scheduling.scheduler import Scheduler
 from router.subscriptions import SubscriptionManager
+from router.upstream_http import UpstreamPool
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ METRICS = web.AppKey("metrics", RouterMetrics)
 PROXY = web.AppKey("proxy", Proxy)
 DISCOVERY = web.AppKey("discovery", Discovery)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
+UPSTREAM = web.AppKey("upstream", UpstreamPool)
 SUBSCRIPTIONS = web.AppKey("subscriptions", SubscriptionManager)
 
 _STARTED_AT = int(time.time())
@@ -81,7 +84,7 @@ def create_app(
         tokenizers=tokenizers,
         metrics=metrics,
         queue=queue,
-        session_getter=lambda: app[SESSION],
+        upstream_getter=lambda: app[UPSTREAM],
         resync=resync,
     )
     metrics.add_fleet_collector(
@@ -94,7 +97,9 @@ def create_app(
     app[METRICS] = metrics
     app[PROXY] = proxy
     app[DISCOVERY] = discovery or discovery_from_config(config)
-    app.cleanup_ctx.extend([_client_session, _subscriptions, _discovery, _health_checker])
+    app.cleanup_ctx.extend(
+        [_client_session, _upstream_pool, _subscriptions, _discovery, _health_checker]
+    )
     _add_routes(app)
     return app
 
@@ -169,6 +174,17 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
     ) as session:
         app[SESSION] = session
         yield
+
+
+async def _upstream_pool(app: web.Application) -> AsyncIterator[None]:
+    """The proxied requests' connections (``router.upstream_http``); health checks and
+    event subscriptions use the aiohttp session."""
+    pool = UpstreamPool(connect_timeout_s=app[CONFIG].connect_timeout_s)
+    app[UPSTREAM] = pool
+    try:
+        yield
+    finally:
+        await pool.close()
 
 
 async def _subscriptions(app: web.Application) -> AsyncIterator[None]:

@@ -29,7 +29,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from kvindex.index import WorkerId
@@ -43,6 +42,7 @@ from router.scheduling.scheduler import Scheduler
 from router.scheduling.types import Decision, RoutingRequest
 from router.tokenization import ModelTokenizer, TokenizationError
 from router.upstream import Attempt, RetryableError, forward
+from router.upstream_http import UpstreamPool
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class Proxy:
     tokenizers: TokenizerRegistry
     metrics: RouterMetrics
     queue: AdmissionQueue
-    session_getter: Callable[[], aiohttp.ClientSession]
+    upstream_getter: Callable[[], UpstreamPool]  # the app's pool of worker connections
     resync: Callable[[WorkerId, str], bool]
     hits: HitCounter = field(default_factory=HitCounter)
 
@@ -177,7 +177,7 @@ class Proxy:
                 decision = retry
             attempt = self._attempt(decision, parsed, payload)
             try:
-                response = await forward(request, attempt, self.session_getter(), self.config)
+                response = await forward(request, attempt, self.upstream_getter(), self.config)
             except RetryableError as exc:
                 last_error = str(exc)
                 self.metrics.attempts_failed.labels(

@@ -11,8 +11,10 @@ seen a byte yet:
 - after: the stream ends with an OpenAI error event (``data: {"error": ...}``), which the
   ``openai`` client raises as ``APIError``.
 
-The client's response is prepared only when the first upstream event arrives, and each
-event is written as soon as it is read: nothing buffers the whole answer.
+The client's response is prepared only when the first upstream event arrives, and the
+events are written as soon as they are read (those that arrived together in one write):
+nothing buffers the whole answer. The hop to the worker goes through the lean client
+of ``router.upstream_http`` (keep-alive pool per worker).
 """
 
 from __future__ import annotations
@@ -24,23 +26,37 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import msgspec
 from aiohttp import web
 
 from router.config import RouterConfig
 from router.errors import ApiError, sse_error_event
 from router.scheduling.types import Decision
+from router.upstream_http import (
+    ConnectError,
+    DisconnectedError,
+    ProtocolError,
+    UpstreamPool,
+    UpstreamResponse,
+)
 
-_JSON_HEADERS = {"Content-Type": "application/json"}
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 # Names the worker that served the request (load tests attribute load and hits with it).
 WORKER_HEADER = "x-kvroute-worker"
-_CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
-_BROKEN_STREAM = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ValueError)
+_BROKEN_STREAM = (DisconnectedError, ProtocolError, OSError)
 _decoder = msgspec.json.Decoder()
 _DRAIN_TIMEOUT_S = 1.0
 _CLIENT_GONE = 499  # status recorded when the client closed the connection mid-stream
+_EVENT_END = b"\n\n"
+
+
+class _Answer(msgspec.Struct):
+    """The one field the router reads from a whole answer (the rest is skipped, not built)."""
+
+    usage: Any = None
+
+
+_answer_decoder = msgspec.json.Decoder(_Answer)
 
 
 class RetryableError(Exception):
@@ -81,26 +97,21 @@ class Attempt:
 
 
 async def forward(
-    request: web.Request, attempt: Attempt, session: aiohttp.ClientSession, config: RouterConfig
+    request: web.Request, attempt: Attempt, pool: UpstreamPool, config: RouterConfig
 ) -> web.StreamResponse:
     """Run ``attempt``; raises ``RetryableError`` or ``ApiError`` before the first byte."""
-    timeout = aiohttp.ClientTimeout(
-        total=None, connect=config.connect_timeout_s, sock_connect=config.connect_timeout_s
-    )
-    deadline = time.monotonic() + config.total_timeout_s
+    now = asyncio.get_running_loop().time()
+    deadline = now + config.total_timeout_s
     phase_timeout = config.first_byte_timeout_s if attempt.stream else config.total_timeout_s
     try:
-        async with asyncio.timeout(phase_timeout):
-            resp = await session.post(
-                attempt.url, data=attempt.payload, headers=_JSON_HEADERS, timeout=timeout
-            )
-    except _CONNECT_ERRORS as exc:
+        resp = await pool.post(attempt.url, attempt.payload, deadline=now + phase_timeout)
+    except ConnectError as exc:
         raise RetryableError("connect", f"cannot connect to {attempt.url}: {exc}") from None
     except TimeoutError:
         raise ApiError(
             504, "The worker did not answer in time (first byte timeout).", code="upstream_timeout"
         ) from None
-    except aiohttp.ClientError as exc:
+    except _BROKEN_STREAM as exc:
         raise RetryableError("disconnect", f"{attempt.url}: {exc!r}") from None
     try:
         if resp.status >= 500:
@@ -112,42 +123,38 @@ async def forward(
         resp.close()  # no-op when fully read; aborts the upstream request otherwise
 
 
-async def _relay_whole(
-    resp: aiohttp.ClientResponse, attempt: Attempt, deadline: float
-) -> web.Response:
+async def _relay_whole(resp: UpstreamResponse, attempt: Attempt, deadline: float) -> web.Response:
     """A non-streaming answer (or an upstream 4xx): read it whole, pass it through."""
     try:
-        async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-            body = await resp.read()
+        body = await resp.read_all(deadline)
     except TimeoutError:
         raise ApiError(504, "The worker did not finish in time.", code="upstream_timeout") from None
-    except aiohttp.ClientError as exc:
+    except _BROKEN_STREAM as exc:
         raise RetryableError("disconnect", f"{attempt.url}: {exc!r}") from None
     attempt.e2e_s = time.perf_counter() - attempt.started
     attempt.status = resp.status
     attempt.ok = resp.status == 200
     if attempt.ok:
-        parsed = _decode(body)
-        if isinstance(parsed, dict):
-            attempt.record_usage(parsed.get("usage"))
-    return web.Response(
-        status=resp.status,
-        body=body,
-        content_type=resp.content_type or "application/json",
-        headers={WORKER_HEADER: str(attempt.decision.worker_id)},
-    )
+        with contextlib.suppress(msgspec.DecodeError):
+            attempt.record_usage(_answer_decoder.decode(body).usage)
+    headers = {
+        "Content-Type": resp.content_type or "application/json",
+        WORKER_HEADER: str(attempt.decision.worker_id),
+    }
+    return web.Response(status=resp.status, body=body, headers=headers)
 
 
 async def _relay_stream(
     request: web.Request,
-    resp: aiohttp.ClientResponse,
+    resp: UpstreamResponse,
     attempt: Attempt,
     config: RouterConfig,
     deadline: float,
 ) -> web.StreamResponse:
-    first_deadline = min(deadline, time.monotonic() + config.first_byte_timeout_s)
+    events = _EventReader(resp)
+    first_deadline = min(deadline, asyncio.get_running_loop().time() + config.first_byte_timeout_s)
     try:
-        first = await _next_event(resp, first_deadline)
+        first = await events.next_batch(first_deadline)
     except TimeoutError:
         raise ApiError(
             504, "The worker sent no token in time (first byte timeout).", code="upstream_timeout"
@@ -164,7 +171,7 @@ async def _relay_stream(
     )
     await client.prepare(request)
     attempt.status = 200
-    error = await _pump(client, resp, attempt, config, deadline, first)
+    error = await _pump(client, events, attempt, config, deadline, first)
     attempt.e2e_s = time.perf_counter() - attempt.started
     if attempt.status != _CLIENT_GONE:
         attempt.ok = error is None
@@ -180,55 +187,96 @@ async def _relay_stream(
 
 async def _pump(
     client: web.StreamResponse,
-    resp: aiohttp.ClientResponse,
+    events: _EventReader,
     attempt: Attempt,
     config: RouterConfig,
     deadline: float,
-    event: bytes,
+    batch: bytes,
 ) -> str | None:
-    """Relay events from ``event`` on until ``[DONE]``; the error that ended it, if any.
+    """Relay events from ``batch`` on until ``[DONE]``; the error that ended it, if any.
 
+    Events that arrived together are written together (one write per upstream read).
     Sets ``attempt.status`` to ``_CLIENT_GONE`` when the client hung up.
     """
-    done = False
+    loop = asyncio.get_running_loop()
     while True:
-        is_done, usage_only = _read_event(event, attempt)
-        done = done or is_done
-        if not (usage_only and attempt.strip_usage):
+        data, done = _filter_batch(batch, attempt)
+        if data:
             try:
-                await client.write(event)
+                await client.write(data)
             except (ConnectionError, RuntimeError):
                 attempt.status = _CLIENT_GONE
                 return "client closed the connection"
         if done:
             return None
-        idle_deadline = min(deadline, time.monotonic() + config.idle_timeout_s)
+        idle_deadline = min(deadline, loop.time() + config.idle_timeout_s)
         try:
-            event = await _next_event(resp, idle_deadline)
+            batch = await events.next_batch(idle_deadline)
         except TimeoutError:
             return "The worker stopped sending (idle or total timeout)."
         except _BROKEN_STREAM as exc:
             return f"The worker's stream broke: {exc!r}"
-        if not event:
+        if not batch:
             return "The worker ended the stream early."
 
 
-async def _drain(resp: aiohttp.ClientResponse) -> None:
+async def _drain(resp: UpstreamResponse) -> None:
     """Read what follows ``[DONE]`` (the end of the chunked body) so that the connection
     goes back to the pool instead of being closed."""
+    deadline = asyncio.get_running_loop().time() + _DRAIN_TIMEOUT_S
     with contextlib.suppress(TimeoutError, *_BROKEN_STREAM):
-        async with asyncio.timeout(_DRAIN_TIMEOUT_S):
-            while await resp.content.readany():
-                pass
+        while await resp.read(deadline):
+            pass
 
 
-async def _next_event(resp: aiohttp.ClientResponse, deadline: float) -> bytes:
-    """The next SSE event (through its blank line); b"" at end of stream."""
-    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+class _EventReader:
+    """Cuts the upstream body into whole SSE events (each through its blank line)."""
+
+    __slots__ = ("_resp", "_tail")
+
+    def __init__(self, resp: UpstreamResponse) -> None:
+        self._resp = resp
+        self._tail = b""  # the start of an event whose end has not arrived
+
+    async def next_batch(self, deadline: float) -> bytes:
+        """The whole events that have arrived (at least one, with their blank lines);
+        b"" at the end of the body (a last unterminated event is returned first, ended)."""
         while True:
-            event = await resp.content.readuntil(b"\n\n")
-            if not event or event.strip():
-                return event
+            data = await self._resp.read(deadline)
+            if not data:
+                tail, self._tail = self._tail, b""
+                return tail + _EVENT_END if tail.strip() else b""
+            if self._tail:
+                data = self._tail + data
+            end = data.rfind(_EVENT_END) + len(_EVENT_END)
+            if end < len(_EVENT_END):
+                self._tail = data
+                continue
+            self._tail = data[end:]
+            batch = data[:end] if self._tail else data
+            if batch.strip():
+                return batch
+
+
+def _filter_batch(batch: bytes, attempt: Attempt) -> tuple[bytes, bool]:
+    """What to relay of ``batch``: everything up to and including ``[DONE]``, less a
+    usage-only chunk the router added; and whether ``[DONE]`` was in it.
+
+    NOTE: token chunks carry neither ``"usage"`` nor ``[DONE]``, so the common batch is
+    relayed as it came, without splitting it into events.
+    """
+    if b'"usage"' not in batch and b"[DONE]" not in batch:
+        return batch, False
+    kept: list[bytes] = []
+    for event in batch.split(_EVENT_END):
+        if not event.strip():
+            continue
+        is_done, usage_only = _read_event(event, attempt)
+        if not (usage_only and attempt.strip_usage):
+            kept.append(event + _EVENT_END)
+        if is_done:
+            return b"".join(kept), True
+    return b"".join(kept), False
 
 
 def _read_event(event: bytes, attempt: Attempt) -> tuple[bool, bool]:

@@ -242,15 +242,17 @@ def _queue_depth(app: web.Application) -> int:
     return app[PROXY].queue.num_waiting
 
 
-def test_streaming_requests_reuse_the_pooled_upstream_connection() -> None:
+def test_requests_reuse_the_pooled_upstream_connection() -> None:
     async def main() -> None:
         async with (
             fake_workers(FakeBehaviour()) as (worker,),
             running_router(router_config([worker])) as (_, url),
             aiohttp.ClientSession() as session,
         ):
-            for _ in range(10):
-                async with session.post(url + "/v1/completions", json=STREAM_BODY) as resp:
+            for i in range(10):
+                body = STREAM_BODY if i % 2 else UNARY_BODY
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200
                     await resp.read()
             assert len(worker.bodies) == 10
             assert len(worker.connections) == 1

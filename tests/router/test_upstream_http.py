@@ -1,0 +1,249 @@
+"""The lean upstream client (``router.upstream_http``) against scripted loopback servers:
+keep-alive reuse, the retry of a stale kept-alive connection, timeouts, disconnects,
+back-pressure and closing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from router import upstream_http
+from router.upstream_http import ConnectError, DisconnectedError, UpstreamPool
+from tests.polling import wait_until
+from tests.router.fakes import run
+
+# (writer, number of the request on this connection, its body) -> what to do next:
+# "keep" (read the next request), "close", or "hang" (until the client closes)
+Script = Callable[[asyncio.StreamWriter, int, bytes], Awaitable[str]]
+OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+
+@dataclass
+class ScriptedServer:
+    script: Script
+    url: str = ""
+    num_connections: int = 0
+    bodies: list[bytes] = field(default_factory=list)
+    closed_by_client: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.num_connections += 1
+        try:
+            for number in range(100):
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                body = await reader.readexactly(length)
+                self.bodies.append(body)
+                action = await self.script(writer, number, body)
+                if action == "hang":
+                    await writer.drain()
+                    while await reader.read(65_536):
+                        pass
+                    self.closed_by_client.set()
+                if action != "keep":
+                    break
+            else:
+                raise AssertionError("too many requests on one connection")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.closed_by_client.set()
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def scripted_server(script: Script) -> AsyncIterator[ScriptedServer]:
+    server = ScriptedServer(script)
+    tcp = await asyncio.start_server(server.handle, "127.0.0.1", 0)
+    server.url = f"http://127.0.0.1:{tcp.sockets[0].getsockname()[1]}/v1/completions"
+    try:
+        yield server
+    finally:
+        tcp.close()
+        await tcp.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def pool() -> AsyncIterator[UpstreamPool]:
+    upstream = UpstreamPool(connect_timeout_s=1.0)
+    try:
+        yield upstream
+    finally:
+        await upstream.close()
+
+
+def _deadline(seconds: float = 5.0) -> float:
+    return asyncio.get_running_loop().time() + seconds
+
+
+async def answer_ok(writer: asyncio.StreamWriter, number: int, body: bytes) -> str:
+    writer.write(OK)
+    return "keep"
+
+
+def test_keep_alive_connection_is_reused_and_the_request_arrives_whole() -> None:
+    async def main() -> None:
+        async with scripted_server(answer_ok) as server, pool() as upstream:
+            for i in range(3):
+                resp = await upstream.post(server.url, b'{"i": %d}' % i, deadline=_deadline())
+                assert (resp.status, resp.content_type) == (200, "application/json")
+                assert await resp.read_all(_deadline()) == b"{}"
+            assert server.bodies == [b'{"i": 0}', b'{"i": 1}', b'{"i": 2}']
+            assert (server.num_connections, upstream.num_connects, upstream.num_idle()) == (1, 1, 1)
+
+    run(main())
+
+
+def test_connection_close_answer_is_not_reused() -> None:
+    async def answer_and_close(writer: asyncio.StreamWriter, number: int, body: bytes) -> str:
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}")
+        return "close"
+
+    async def main() -> None:
+        async with scripted_server(answer_and_close) as server, pool() as upstream:
+            for _ in range(2):
+                resp = await upstream.post(server.url, b"{}", deadline=_deadline())
+                assert await resp.read_all(_deadline()) == b"{}"
+            assert upstream.num_connects == 2 and upstream.num_idle() == 0
+
+    run(main())
+
+
+def test_a_kept_alive_connection_closed_before_answering_is_retried_once_on_a_new_one() -> None:
+    async def close_on_second(writer: asyncio.StreamWriter, number: int, body: bytes) -> str:
+        if number == 1:
+            return "close"  # a worker that dropped the idle connection: no answer
+        writer.write(OK)
+        return "keep"
+
+    async def main() -> None:
+        async with scripted_server(close_on_second) as server, pool() as upstream:
+            for _ in range(2):
+                resp = await upstream.post(server.url, b"{}", deadline=_deadline())
+                assert await resp.read_all(_deadline()) == b"{}"
+            assert upstream.num_connects == 2
+            assert len(server.bodies) == 3  # the lost request, then its retry
+
+    run(main())
+
+
+def test_a_new_connection_closed_before_answering_raises() -> None:
+    async def close_at_once(writer: asyncio.StreamWriter, number: int, body: bytes) -> str:
+        return "close"
+
+    async def main() -> None:
+        async with scripted_server(close_at_once) as server, pool() as upstream:
+            with pytest.raises(DisconnectedError):
+                await upstream.post(server.url, b"{}", deadline=_deadline())
+            assert upstream.num_connects == 1  # not retried
+
+    run(main())
+
+
+def test_connection_dying_mid_body_raises_disconnected() -> None:
+    async def die_mid_body(writer: asyncio.StreamWriter, number: int, body: bytes) -> str:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        return "close"
+
+    async def main() -> None:
+        async with scripted_server(die_mid_body) as server, pool() as upstream:
+            resp = await upstream.post(server.url, b"{}", deadline=_deadline())
+            assert await resp.read(_deadline()) == b"hello"
+            with pytest.raises(DisconnectedError):
+                await resp.read(_deadline())
+            resp.close()
+            assert upstream.num_idle() == 0
+
+    run(main())
+
+
+def test_no_head_by_the_deadline_raises_timeout_and_closes_the_connection() -> None:
+    async def never_answer(writer: asyncio.StreamWriter, number: int, body: bytes) -> str:
+        return "hang"
+
+    async def main() -> None:
+        async with scripted_server(never_answer) as server, pool() as upstream:
+            with pytest.raises(TimeoutError):
+                await upstream.post(server.url, b"{}", deadline=_deadline(0.2))
+            await asyncio.wait_for(server.closed_by_client.wait(), 5)
+
+    run(main())
+
+
+def test_refused_connection_raises_connect_error() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound but not listening: refused
+
+    async def main() -> None:
+        async with pool() as upstream:
+            with pytest.raises(ConnectError):
+                await upstream.post(f"http://127.0.0.1:{port}/x", b"{}", deadline=_deadline())
+
+    run(main())
+
+
+def test_unread_body_pauses_the_socket_and_arrives_whole_once_read() -> None:
+    chunk = b"x" * 65_536
+    num_chunks = 64  # 4 MiB, far above the high-water mark
+
+    async def big_body(writer: asyncio.StreamWriter, number: int, body: bytes) -> str:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(num_chunks):
+            writer.write(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        return "keep"
+
+    async def main() -> None:
+        async with scripted_server(big_body) as server, pool() as upstream:
+            resp = await upstream.post(server.url, b"{}", deadline=_deadline())
+            conn = next(iter(upstream._busy))
+            await wait_until(lambda: conn._paused, timeout_s=5.0)
+            assert conn._num_unread < upstream_http._HIGH_WATER_BYTES + 2 * len(chunk) + 1024
+            assert await resp.read_all(_deadline()) == chunk * num_chunks
+            assert upstream.num_idle() == 1  # read to the end: back in the pool
+
+    run(main())
+
+
+def test_closing_an_unfinished_response_closes_its_connection() -> None:
+    async def stream_forever(writer: asyncio.StreamWriter, number: int, body: bytes) -> str:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\na\r\n")
+        return "hang"
+
+    async def main() -> None:
+        async with scripted_server(stream_forever) as server, pool() as upstream:
+            resp = await upstream.post(server.url, b"{}", deadline=_deadline())
+            assert await resp.read(_deadline()) == b"a"
+            resp.close()
+            await asyncio.wait_for(server.closed_by_client.wait(), 5)
+            assert upstream.num_idle() == 0
+
+    run(main())
+
+
+def test_pool_close_ends_busy_connections() -> None:
+    async def stream_forever(writer: asyncio.StreamWriter, number: int, body: bytes) -> str:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        return "hang"
+
+    async def main() -> None:
+        async with scripted_server(stream_forever) as server:
+            upstream = UpstreamPool(connect_timeout_s=1.0)
+            resp = await upstream.post(server.url, b"{}", deadline=_deadline())
+            await upstream.close()
+            with pytest.raises(DisconnectedError):
+                await resp.read(_deadline())
+            await asyncio.wait_for(server.closed_by_client.wait(), 5)
+            with pytest.raises(ConnectError):
+                await upstream.post(server.url, b"{}", deadline=_deadline())
+
+    run(main())

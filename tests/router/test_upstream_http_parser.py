@@ -1,0 +1,150 @@
+"""The upstream client's HTTP/1.1 response parser: framing, head fields, bad input, and
+that any split of the bytes into reads gives the same body."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from router.upstream_http_parser import ProtocolError, ResponseParser
+
+CHUNKED = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"6\r\ndata: \r\n"
+    b'18;ext=1\r\n{"a": 1}\n\ndata: [DONE]\n\n\r\n'
+    b"0\r\nX-Trailer: t\r\n\r\n"
+)
+CHUNKED_BODY = b'data: {"a": 1}\n\ndata: [DONE]\n\n'
+
+
+def _parse(response: bytes, cuts: list[int] | None = None) -> tuple[ResponseParser, bytes]:
+    parser = ResponseParser()
+    parser.start()
+    bounds = [0, *sorted(cuts or []), len(response)]
+    body = b"".join(
+        piece for a, b in itertools.pairwise(bounds) for piece in parser.feed(response[a:b])
+    )
+    return parser, body
+
+
+def test_chunked_body_with_extension_and_trailer() -> None:
+    parser, body = _parse(CHUNKED)
+    assert body == CHUNKED_BODY
+    assert parser.finished and parser.keep_alive
+    assert parser.status == 200
+    assert parser.content_type == "text/event-stream"
+
+
+def test_content_length_body() -> None:
+    response = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 5\r\n\r\nhello"
+    parser, body = _parse(response)
+    assert (parser.status, body, parser.finished, parser.keep_alive) == (400, b"hello", True, True)
+    assert parser.content_type is None
+
+
+def test_body_until_close_ends_only_when_the_connection_does() -> None:
+    parser, body = _parse(b"HTTP/1.1 200 OK\r\n\r\npart one, ")
+    assert parser.head_done and not parser.finished and parser.reads_until_close
+    assert body + b"".join(parser.feed(b"part two")) == b"part one, part two"
+    parser.finish_at_close()
+    assert parser.finished and not parser.keep_alive
+
+
+@pytest.mark.parametrize(
+    ("response", "keep_alive"),
+    [
+        (b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n", False),
+        (b"HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n", False),
+        (b"HTTP/1.0 200 OK\r\nConnection: Keep-Alive\r\nContent-Length: 0\r\n\r\n", True),
+        (b"HTTP/1.1 204 No Content\r\n\r\n", True),
+    ],
+)
+def test_keep_alive_follows_version_and_connection_header(
+    response: bytes, keep_alive: bool
+) -> None:
+    parser, body = _parse(response)
+    assert parser.finished and body == b""
+    assert parser.keep_alive is keep_alive
+
+
+def test_interim_1xx_response_is_skipped() -> None:
+    response = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    parser, body = _parse(response)
+    assert (parser.status, body, parser.finished) == (200, b"ok", True)
+
+
+def test_bytes_after_the_response_make_the_connection_not_reusable() -> None:
+    parser, body = _parse(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokEXTRA")
+    assert body == b"ok" and parser.finished
+    assert not parser.keep_alive
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        b"HTTP/2 200 OK\r\n\r\n",
+        b"HTTP/1.1 abc OK\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\n Folded: x\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-1\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabXY",
+    ],
+)
+def test_malformed_responses_raise_protocol_error(response: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        _parse(response)
+
+
+def test_an_endless_head_or_chunk_line_is_bounded() -> None:
+    parser = ResponseParser()
+    parser.start()
+    with pytest.raises(ProtocolError):
+        parser.feed(b"HTTP/1.1 200 OK\r\n" + b"X-Big: " + b"x" * 70_000)
+    parser.start()
+    parser.feed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+    with pytest.raises(ProtocolError):
+        parser.feed(b"1" * 5_000)
+
+
+def test_start_resets_the_fields_of_the_previous_response() -> None:
+    parser, _ = _parse(b"HTTP/1.1 200 OK\r\nContent-Type: a/b\r\nContent-Length: 0\r\n\r\n")
+    parser.reset()
+    assert parser.idle
+    parser.start()
+    assert (parser.status, parser.content_type, parser.head_started) == (0, None, False)
+    assert not parser.head_done
+
+
+@given(st.lists(st.integers(min_value=0, max_value=len(CHUNKED)), max_size=12))
+def test_any_split_into_reads_gives_the_same_chunked_body(cuts: list[int]) -> None:
+    parser, body = _parse(CHUNKED, cuts)
+    assert body == CHUNKED_BODY
+    assert parser.finished and parser.keep_alive
+
+
+@given(
+    st.binary(max_size=300),
+    st.lists(st.integers(min_value=1, max_value=40), min_size=1, max_size=20),
+    st.lists(st.integers(min_value=0, max_value=2_000), max_size=10),
+)
+def test_chunked_encoding_of_any_body_round_trips(
+    body: bytes, chunk_sizes: list[int], cuts: list[int]
+) -> None:
+    encoded = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    pos = 0
+    i = 0
+    while pos < len(body):
+        piece = body[pos : pos + chunk_sizes[i % len(chunk_sizes)]]
+        encoded += b"%x\r\n" % len(piece) + piece + b"\r\n"
+        pos += len(piece)
+        i += 1
+    encoded += b"0\r\n\r\n"
+    parser, decoded = _parse(encoded, [c for c in cuts if c <= len(encoded)])
+    assert decoded == body
+    assert parser.finished
