@@ -81,7 +81,7 @@ def _parse_target(url: str) -> _Target:
     if parts.query:
         path += "?" + parts.query
     head = (
-        f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: {parts.netloc.rpartition('@')[2]}\r\n"
         "Content-Type: application/json\r\nContent-Length: "
     ).encode("latin-1")
     return _Target((parts.hostname, port, use_tls), parts.hostname, port, use_tls, head)
@@ -270,8 +270,9 @@ class UpstreamPool:
     async def post(self, url: str, body: bytes, *, deadline: float) -> UpstreamResponse:
         """Send ``body`` to ``url``; returns once the response head has arrived.
 
-        Raises ``ConnectError`` (connect failed or timed out), ``TimeoutError`` (no head
-        by ``deadline``, a ``loop.time()``), ``DisconnectedError``, ``ProtocolError``.
+        Raises ``ConnectError`` (connect failed, or ``connect_timeout_s`` passed),
+        ``TimeoutError`` (no head by ``deadline``, a ``loop.time()``),
+        ``DisconnectedError``, ``ProtocolError``.
         A kept-alive connection that turns out closed before any answer is retried
         once on a new one (the worker closed it while idle, so it never saw the request).
         """
@@ -340,7 +341,8 @@ class UpstreamPool:
         if self._closed:
             raise ConnectError("the upstream pool is closed")
         loop = asyncio.get_running_loop()
-        timeout = min(self.connect_timeout_s, max(0.0, deadline - loop.time()))
+        time_left = max(0.0, deadline - loop.time())
+        timeout = min(self.connect_timeout_s, time_left)
         tls: ssl.SSLContext | Literal[False] = self._tls_context() if target.use_tls else False
         try:
             async with asyncio.timeout(timeout):
@@ -352,6 +354,8 @@ class UpstreamPool:
                     server_hostname=target.host if tls else None,
                 )
         except TimeoutError:
+            if time_left < self.connect_timeout_s:
+                raise  # the caller's deadline came first: its timeout, not a connect error
             raise ConnectError(f"connect to {target.host}:{target.port} timed out") from None
         except OSError as exc:
             raise ConnectError(f"cannot connect to {target.host}:{target.port}: {exc}") from None

@@ -29,6 +29,7 @@ class ScriptedServer:
     url: str = ""
     num_connections: int = 0
     bodies: list[bytes] = field(default_factory=list)
+    heads: list[bytes] = field(default_factory=list)
     closed_by_client: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -38,6 +39,7 @@ class ScriptedServer:
                 head = await reader.readuntil(b"\r\n\r\n")
                 length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
                 body = await reader.readexactly(length)
+                self.heads.append(head)
                 self.bodies.append(body)
                 action = await self.script(writer, number, body)
                 if action == "hang":
@@ -95,6 +97,11 @@ def test_keep_alive_connection_is_reused_and_the_request_arrives_whole() -> None
                 assert (resp.status, resp.content_type) == (200, "application/json")
                 assert await resp.read_all(_deadline()) == b"{}"
             assert server.bodies == [b'{"i": 0}', b'{"i": 1}', b'{"i": 2}']
+            host = server.url.split("/")[2].encode()
+            assert server.heads[0] == (
+                b"POST /v1/completions HTTP/1.1\r\nHost: " + host + b"\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 8\r\n\r\n"
+            )
             assert (server.num_connections, upstream.num_connects, upstream.num_idle()) == (1, 1, 1)
 
     run(main())
