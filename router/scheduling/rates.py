@@ -106,6 +106,13 @@ class RateLearner:
             self._prior_rates = self._fresh()
         return self._prior_rates
 
+    def fleet_rates(self) -> WorkerRates:
+        """The fleet's mean rates over workers with enough observations (the prior before
+        any); read-only, recomputed every ``_FLEET_REFRESH_EVERY`` observations."""
+        if self._prior_rates is None:
+            self._prior_rates = self._fresh()
+        return self._prior_rates
+
     def observe(
         self, worker_id: WorkerId, *, prefill_tokens: float, num_running: float, ttft_s: float
     ) -> None:

@@ -62,6 +62,7 @@ class CacheAwarePolicy(BasePolicy):
         temperature: float = 0.0,
         added_work_weight: float = 0.5,
         busy_window_s: float = 60.0,
+        pooled_rates: bool = False,
     ) -> None:
         if temperature < 0:
             raise ValueError("temperature must be >= 0")
@@ -72,6 +73,7 @@ class CacheAwarePolicy(BasePolicy):
         self.costs = costs or TierCosts()
         self.temperature = temperature
         self.added_work_weight = added_work_weight
+        self.pooled_rates = pooled_rates
         # None: the busy term is off (rho = 0 for every worker)
         self.busy = RecentUtilization(busy_window_s) if busy_window_s > 0 else None
 
@@ -118,7 +120,8 @@ class CacheAwarePolicy(BasePolicy):
         num_prompt_tokens = len(ctx.request.prompt_token_ids)
         max_hit_tokens = num_prompt_tokens - 1  # vLLM always computes the last token
         learner = ctx.rates
-        worker_to_rates = learner.worker_to_rates
+        # pooled: every worker reads the fleet's mean rates (identical replicas)
+        worker_to_rates = {} if self.pooled_rates else learner.worker_to_rates
         shared_rates: WorkerRates | None = None  # what every unseen worker reads
         costs = self.costs
         added_work_weight = self.added_work_weight
@@ -167,7 +170,7 @@ class CacheAwarePolicy(BasePolicy):
                 uncached = memo
             rates = worker_to_rates.get(worker_id)
             if rates is None:
-                rates = shared_rates = shared_rates or learner.rates_of(worker_id)
+                rates = shared_rates = shared_rates or learner.fleet_rates()
             theta_0, theta_1, theta_2 = rates.theta
             rho = worker_to_scaled.get(worker_id, 0.0) * busy_scale
             if rho > max_rho:
@@ -203,6 +206,7 @@ def _create(params: Mapping[str, ParamValue]) -> CacheAwarePolicy:
         temperature=float(params["temperature"]),
         added_work_weight=float(params["added_work_weight"]),
         busy_window_s=float(params["busy_window_s"]),
+        pooled_rates=bool(params["pooled_rates"]),
     )
 
 
@@ -226,6 +230,12 @@ SPEC = PolicySpec(
             60.0,
             "window (s) of each worker's recent utilisation, which scales the added-work "
             "weight by 1 / (1 - utilisation); 0 turns it off",
+        ),
+        ParamSpec(
+            "pooled_rates",
+            bool,
+            False,
+            "score every worker with the fleet's mean learned rates (identical replicas)",
         ),
     ),
     factory=_create,
