@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadtest.ceiling import workload_ceiling
 from loadtest.client import ClientConfig, run_requests
 from loadtest.fleet import (
+    EngineCounters,
     Fleet,
     FleetConfig,
     FleetError,
@@ -26,7 +27,7 @@ from loadtest.fleet import (
     fleet_config_from_args,
 )
 from loadtest.report import PolicyRun, markdown_table, write_report
-from loadtest.stats import summarize
+from loadtest.stats import RunSummary, load_imbalance, summarize
 from loadtest.workloads import WORKLOADS, LoadRequest, build_workload
 from loadtest.workloads.base import params_from_strings
 
@@ -83,6 +84,7 @@ def run_policies(
             progress=config.progress,
             label=policy,
         )
+        before = fleet.engine_counters()
         try:
             results = asyncio.run(run_requests(client, requests))
         finally:
@@ -90,8 +92,25 @@ def run_policies(
         summary = summarize(
             policy, results, ceiling=ceiling, workers=worker_ids, time_scale=config.time_scale
         )
+        add_engine_counters(summary, before, fleet.engine_counters(), worker_ids)
         runs[policy] = PolicyRun(summary, results, worker_ids)
     return runs
+
+
+def add_engine_counters(
+    summary: RunSummary,
+    before: Mapping[str, EngineCounters],
+    after: Mapping[str, EngineCounters],
+    worker_ids: Sequence[str],
+) -> None:
+    """Fill ``summary``'s GPU-busy fields from engine counters read around the run (left
+    NaN unless every worker exported them both times)."""
+    if not worker_ids or any(w not in before or w not in after for w in worker_ids):
+        return
+    busy = {w: after[w].gpu_busy_s - before[w].gpu_busy_s for w in worker_ids}
+    summary.worker_to_gpu_busy_s = busy
+    summary.gpu_busy_imbalance = load_imbalance(busy, worker_ids)
+    summary.engine_lag_s = sum(after[w].lag_s - before[w].lag_s for w in worker_ids)
 
 
 def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) -> Path:

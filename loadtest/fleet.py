@@ -79,6 +79,31 @@ def num_gpu_blocks_from_metrics(text: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+_SIM_COUNTER_RE = re.compile(
+    r"^(kvroute_sim_simulated_seconds_total|kvroute_sim_lag_seconds_total)(?:\{[^}]*\})? (\S+)$",
+    re.MULTILINE,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCounters:
+    """A simulated worker's cumulative engine counters (zero for a worker without them)."""
+
+    gpu_busy_s: float = 0.0  # simulated GPU seconds spent in engine steps
+    lag_s: float = 0.0  # wall seconds the engine fell behind its real-time schedule
+
+
+def engine_counters_from_metrics(text: str) -> EngineCounters | None:
+    """The simulator's ``kvroute_sim_*`` counters from a /metrics page (None: not a sim)."""
+    values = {name: float(value) for name, value in _SIM_COUNTER_RE.findall(text)}
+    if not values:
+        return None
+    return EngineCounters(
+        gpu_busy_s=values.get("kvroute_sim_simulated_seconds_total", 0.0),
+        lag_s=values.get("kvroute_sim_lag_seconds_total", 0.0),
+    )
+
+
 @dataclass(slots=True)
 class Child:
     """One child process and its log file."""
@@ -299,6 +324,17 @@ class Fleet:
                 if time.monotonic() > deadline:
                     raise FleetError(f"{endpoint.worker_id}: /reset_prefix_cache kept failing")
                 time.sleep(0.2)
+
+    def engine_counters(self) -> dict[str, EngineCounters]:
+        """Worker id -> its engine counters, for the workers that export them (the
+        simulator); vLLM workers and unreachable ones are left out."""
+        worker_to_counters: dict[str, EngineCounters] = {}
+        for endpoint in self.workers:
+            with contextlib.suppress(OSError):
+                counters = engine_counters_from_metrics(http_text(endpoint.url + "/metrics"))
+                if counters is not None:
+                    worker_to_counters[endpoint.worker_id] = counters
+        return worker_to_counters
 
     def gpu_blocks_per_worker(self) -> int | None:
         """Blocks per worker: the configured number, else the engine's ``vllm:cache_config_info``

@@ -6,7 +6,13 @@ Pure functions over ``RequestResult`` lists; no I/O.
 - throughput = completion tokens of successful requests / run span (first send to last
   completion), in tokens/s;
 - load imbalance = max / mean over workers of busy time, where a worker's busy time is
-  the sum of the end-to-end times of the requests it served (request-seconds).
+  the sum of the end-to-end times of the requests it served (request-seconds);
+- GPU-busy imbalance = max / mean over workers of the engine's own busy time (the
+  simulator's GPU seconds spent in steps, read from its /metrics before and after the
+  run; NaN for engines that do not export it). Request-seconds include queueing, so
+  they show hot spots; GPU seconds are the work each GPU did, what "every GPU equally
+  busy" means to an operator. A heavy-tailed trace moves both: one 126K-token prompt is
+  several seconds of one worker's time.
 
 NOTE: busy time in request-seconds (not wall time with >= 1 request) keeps hot-spotting
 visible under heavy load, where every worker is busy all the time but one has a far
@@ -46,6 +52,9 @@ class RunSummary:
     span_s: float
     worker_to_requests: dict[str, int] = field(default_factory=dict)
     failures_by_status: dict[str, int] = field(default_factory=dict)
+    gpu_busy_imbalance: float = float("nan")
+    engine_lag_s: float = float("nan")  # wall seconds the engines fell behind (all workers)
+    worker_to_gpu_busy_s: dict[str, float] = field(default_factory=dict)
 
 
 def percentile(values: Sequence[float], q: float) -> float:

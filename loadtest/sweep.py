@@ -50,7 +50,8 @@ SWEEP_COLUMNS = (
     "TTFT p99 (s)",
     "token hit ratio",
     "hit / ceiling",
-    "imbalance",
+    "imbalance (request-s)",
+    "imbalance (GPU-s)",
     "throughput (tok/s)",
     "failed",
 )
@@ -86,6 +87,7 @@ def sweep_table(rows: Sequence[tuple[float, RunSummary]]) -> str:
             fmt(s.token_hit_ratio),
             fmt(s.hit_ratio_of_ceiling, 2),
             fmt(s.load_imbalance, 2),
+            fmt(s.gpu_busy_imbalance, 2),
             fmt(s.throughput_tokens_s, 0),
             f"{s.num_failed}/{s.num_requests}",
         ]

@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 from loadtest import sweep
+from loadtest.compare import add_engine_counters
+from loadtest.fleet import EngineCounters, engine_counters_from_metrics
+from loadtest.stats import summarize
 
 
 def test_goodput_is_highest_load_under_slo_with_all_lighter_loads_under() -> None:
@@ -34,6 +37,10 @@ def test_tiny_sweep_writes_table_plots_and_goodput(tmp_path: Path) -> None:
         (1.0, "round_robin"), (1.0, "cache_aware"), (4.0, "round_robin"), (4.0, "cache_aware"),
     ]  # fmt: skip
     assert all(row["num_failed"] == 0 and row["num_requests"] == 16 for row in data["rows"])
+    for row in data["rows"]:  # the simulators' own GPU seconds, read around each run
+        assert set(row["worker_to_gpu_busy_s"]) == {"w0", "w1"}
+        assert sum(row["worker_to_gpu_busy_s"].values()) > 0
+        assert row["gpu_busy_imbalance"] >= 1.0 and row["engine_lag_s"] >= 0.0
     assert set(data["goodput"]) == {"round_robin", "cache_aware"}
     markdown = (tmp_path / "sweep" / "sweep.md").read_text()
     assert "| policy | goodput, TTFT p90 <= 3 s | goodput, TTFT p90 <= 5 s |" in markdown
@@ -46,3 +53,26 @@ def test_tiny_sweep_writes_table_plots_and_goodput(tmp_path: Path) -> None:
     assert rerendered.split("| load", 1)[1] == markdown.split("| load", 1)[1]
     for name in ("ttft_vs_load.png", "hit_ratio_vs_load.png"):
         assert (tmp_path / "sweep" / name).stat().st_size > 10_000
+
+
+def test_engine_counters_parse_the_simulators_metrics_and_skip_other_engines() -> None:
+    text = (
+        "# HELP kvroute_sim_simulated_seconds_total Simulated GPU time.\n"
+        'kvroute_sim_simulated_seconds_total{engine="0",model_name="m"} 12.5\n'
+        'kvroute_sim_simulated_seconds_created{engine="0",model_name="m"} 1.7e9\n'
+        'kvroute_sim_lag_seconds_total{engine="0",model_name="m"} 0.25\n'
+    )
+    assert engine_counters_from_metrics(text) == EngineCounters(gpu_busy_s=12.5, lag_s=0.25)
+    assert engine_counters_from_metrics('vllm:num_requests_running{a="b"} 1.0\n') is None
+
+
+def test_gpu_busy_imbalance_needs_every_worker_before_and_after() -> None:
+    summary = summarize("p", [], ceiling=0.5, workers=["w0", "w1"])
+    before = {"w0": EngineCounters(1.0, 0.0), "w1": EngineCounters(2.0, 0.1)}
+    add_engine_counters(summary, before, {"w0": EngineCounters(4.0, 0.0)}, ["w0", "w1"])
+    assert math.isnan(summary.gpu_busy_imbalance)  # w1 missing after: left unknown
+    after = {"w0": EngineCounters(4.0, 0.0), "w1": EngineCounters(3.0, 0.3)}
+    add_engine_counters(summary, before, after, ["w0", "w1"])
+    assert summary.worker_to_gpu_busy_s == {"w0": 3.0, "w1": 1.0}
+    assert summary.gpu_busy_imbalance == 1.5  # 3 / mean(3, 1)
+    assert summary.engine_lag_s == pytest.approx(0.2)
