@@ -178,7 +178,7 @@ async def _relay_stream(
         if error is not None:
             attempt.status = 502
             await _write_quietly(client, sse_error_event(error, code="upstream_stream_error"))
-        await _write_eof_quietly(client)
+            await _write_eof_quietly(client)
     if error is None:
         # NOTE: after the client's response has ended, so the client never waits on it.
         await _drain(resp)
@@ -193,22 +193,25 @@ async def _pump(
     deadline: float,
     batch: bytes,
 ) -> str | None:
-    """Relay events from ``batch`` on until ``[DONE]``; the error that ended it, if any.
+    """Relay events from ``batch`` on until ``[DONE]``, which also ends the client's
+    response; the error that ended it otherwise (the response is then left open).
 
-    Events that arrived together are written together (one write per upstream read).
-    Sets ``attempt.status`` to ``_CLIENT_GONE`` when the client hung up.
+    Events that arrived together are written together (one write per upstream read;
+    the last one carries the end of the response too, and the headers when it is the
+    first). Sets ``attempt.status`` to ``_CLIENT_GONE`` when the client hung up.
     """
     loop = asyncio.get_running_loop()
     while True:
         data, done = _filter_batch(batch, attempt)
-        if data:
-            try:
+        try:
+            if done:
+                await client.write_eof(data)
+                return None
+            if data:
                 await client.write(data)
-            except (ConnectionError, RuntimeError):
-                attempt.status = _CLIENT_GONE
-                return "client closed the connection"
-        if done:
-            return None
+        except (ConnectionError, RuntimeError):
+            attempt.status = _CLIENT_GONE
+            return "client closed the connection"
         idle_deadline = min(deadline, loop.time() + config.idle_timeout_s)
         try:
             batch = await events.next_batch(idle_deadline)
