@@ -3,8 +3,8 @@
 Structure (all maps named ``x_to_y``):
 
 - every worker gets a small *slot* number and a one-bit mask ``1 << slot``;
-- per layer (GPU, CPU, DISK tiers, then PREDICTED) one dict ``block_to_mask`` from our
-  ``BlockHash`` to the OR of the bits of the workers holding that block in that layer;
+- per tier (GPU, CPU, DISK) one dict ``block_to_mask`` from our ``BlockHash`` to the
+  OR of the bits of the workers holding that block in that tier;
 - per worker and tier ``engine_to_block``: the engine's hash -> our hash, so that
   ``BlockRemoved`` (which carries engine hashes only) applies; duplicates are
   reference-counted in two small side maps (see ``WorkerState``).
@@ -13,15 +13,15 @@ Invariants (``check_invariants`` verifies them all):
 
 - bit ``w`` is set in ``block_to_mask[tier][h]`` iff worker ``w`` has a live engine hash
   mapping to ``h`` in that tier; no mask is ever 0;
-- a prediction entry of a block the worker also holds for real is *inert*: it is
-  never counted or seen as predicted, and a BlockRemoved of the block drops it (a
-  store confirms a live prediction; ``predict`` records without probing, see its
-  NOTE); every prediction expires after the largest
+- predictions are records, one per ``predict`` call (``kvindex.index_predictions``,
+  which states their semantics): a block is predicted on a worker while a live
+  record covers it, the worker does not hold it for real, and has not removed it
+  since the record was made; every prediction expires after the largest
   ``now`` seen so far;
 - counters (``num_blocks`` per worker and in total, predictions, events, errors) are
   kept incrementally and equal what a full recount gives.
 
-Costs: ``lookup`` walks the query once, one dict probe per layer in use per block,
+Costs: ``lookup`` walks the query once, one dict probe per tier in use per block,
 stopping when no worker is left: O(len(hashes)). ``apply(BlockStored)`` is O(tokens)
 for the re-hash plus O(1) per block. ``clear_worker`` is O(blocks of that worker).
 
@@ -32,11 +32,8 @@ per-call expiries), so stats and invariants are exact as of the largest ``now`` 
 
 from __future__ import annotations
 
-import heapq
 import sys
 from collections.abc import Sequence
-from itertools import chain, compress, repeat
-from operator import is_, lt, or_
 from typing import cast
 
 from kvindex.hashing import BlockHash, EngineBlockHash, Namespace, chain_hashes
@@ -45,7 +42,6 @@ from kvindex.index_types import (
     INT_OBJECT_BYTES,
     MAX_CACHED_ROOTS,
     NUM_TIERS,
-    PREDICTED_LAYER,
     IndexStats,
     Tier,
     tier_of_medium,
@@ -128,30 +124,18 @@ class PrefixIndex(IndexState):
         hashes: Sequence[BlockHash],
         ttl: float,
         now: float,
-        *,
-        num_leading_held: int = 0,
     ) -> None:
         """Mark ``hashes`` as about to be held by ``worker`` until ``now + ttl``.
 
-        An existing prediction is only extended. A later BlockStored of a block confirms
-        it (turns it real). O(len(hashes)) operations on small maps; the big tier maps
-        are never probed here.
+        An existing prediction is only extended. Blocks the worker holds for real are
+        not predicted (their record is inert there; see ``kvindex.index_predictions``).
+        Cost: one frozenset of ``hashes`` (built in C) and one heap push; the tier
+        maps are never probed.
 
-        ``num_leading_held``: the caller's knowledge, from a ``lookup`` at this same
-        ``now`` with no event since, that ``worker`` holds the first that many
-        ``hashes`` (real or predicted): only the predicted ones among them are
-        extended, the real ones get no entry. A wrong hint only adds inert entries
-        or extends the wrong predictions.
-
-        NOTE: a block the worker already holds for real is recorded without checking
-        (an *inert* entry): the lookup counts the block in its real tier, the counts
-        and the snapshot leave it out, and a BlockRemoved of it drops the entry, so
-        it is never seen as predicted (the contract: a prediction is never made for a
-        block already held). Checking at predict time cost a probe of the ~1M-key
-        tier maps per new block, cache misses every time (~0.4 us each: half of a
-        pick's commit phase); removals are rarer than picks' blocks and happen off
-        the routing path. The filters and updates run in C (``map``, ``compress``,
-        ``dict.update``).
+        NOTE: one record per call instead of one map entry per block: a pick predicts
+        a whole uncached tail (hundreds of blocks at block size 16), and per-block
+        bookkeeping (probe, write, then delete at expiry) was ~1/4 of a routing
+        decision.
         """
         self._expire(now)
         state = self._workers.get(worker)
@@ -159,32 +143,9 @@ class PrefixIndex(IndexState):
             self._count_error("unknown_worker")
             return
         until = now + ttl
-        if until <= self._now:
+        if until <= self._now or not hashes:
             return
-        predicted = self._layers[PREDICTED_LAYER]
-        bit = state.bit
-        predicted_until = state.predicted_until
-        # our hashes to record, each once, in order
-        if num_leading_held > 0:
-            leading = hashes[:num_leading_held]
-            head = compress(leading, map(predicted_until.__contains__, leading))
-            candidates = dict.fromkeys(chain(head, hashes[num_leading_held:]))
-        else:
-            candidates = dict.fromkeys(hashes)
-        if predicted_until:
-            olds = list(map(predicted_until.get, candidates, repeat(_ABSENT)))
-            new = list(compress(candidates, map(is_, olds, repeat(_ABSENT))))
-            extended = list(compress(candidates, map(lt, olds, repeat(until))))
-        else:
-            new, extended = list(candidates), []
-        if new:
-            masks = map(or_, map(predicted.get, new, repeat(0)), repeat(bit))
-            predicted.update(zip(new, masks, strict=True))
-        recorded = new + extended if extended else new
-        if recorded:
-            predicted_until.update(zip(recorded, repeat(until)))
-            self._expiry_seq += 1
-            heapq.heappush(self._expiry_heap, (until, self._expiry_seq, state, recorded))
+        self._predictions.add(state.slot, state.bit, frozenset(hashes), until)
 
     # --- public API: queries ------------------------------------------------------
 
@@ -198,10 +159,12 @@ class PrefixIndex(IndexState):
         self._expire(now)
         if not hashes or not self._all_mask:
             return {}
-        gpu, cpu, disk, predicted = self._layers
-        if not (cpu or disk or predicted):
+        gpu, cpu, disk = self._layers
+        predictions = self._predictions
+        if not (cpu or disk or predictions.mask):
             return walk_gpu_only(hashes, gpu, self._all_mask, self._slot_to_worker)
-        return walk_tiered(hashes, self._layers, self._all_mask, self._slot_to_worker)
+        all_mask, slot_to_worker = self._all_mask, self._slot_to_worker
+        return walk_tiered(hashes, self._layers, predictions, all_mask, slot_to_worker)
 
     def stats(self) -> IndexStats:
         """Counters as of the largest ``now`` seen. O(workers + prediction entries)."""
@@ -209,11 +172,12 @@ class PrefixIndex(IndexState):
         num_keys = sum(len(layer) for layer in self._layers)
         for state in self._workers.values():
             containers.extend(state.engine_to_block)
-            containers.append(state.predicted_until)
             num_keys += sum(len(m) for m in state.engine_to_block)
+        for record in self._predictions.records():
+            containers.append(record.blocks)
         return IndexStats(
             num_blocks=self._num_blocks,
-            num_distinct_blocks=sum(len(layer) for layer in self._layers[:NUM_TIERS]),
+            num_distinct_blocks=sum(len(layer) for layer in self._layers),
             num_predicted=sum(map(self._num_live_predictions, self._workers.values())),
             num_workers=len(self._workers),
             bytes_estimate=sum(sys.getsizeof(c) for c in containers) + num_keys * INT_OBJECT_BYTES,
@@ -285,22 +249,9 @@ class PrefixIndex(IndexState):
                     added += 1
                     continue
             self._store_duplicate(state, tier, EngineBlockHash(e), h)
+        # A prediction of these blocks is now inert: the walk counts the real tier.
         state.num_blocks += added
         self._num_blocks += added
-        if state.predicted_until:
-            self._confirm_predictions(state, hashes)
-
-    def _confirm_predictions(self, state: WorkerState, hashes: Sequence[BlockHash]) -> None:
-        """Predictions of blocks the worker now holds for real turn real."""
-        gpu, cpu, disk, predicted = self._layers
-        bit = state.bit
-        for h in hashes:
-            if (
-                h in state.predicted_until
-                and (gpu.get(h, 0) | cpu.get(h, 0) | disk.get(h, 0)) & bit
-            ):
-                del state.predicted_until[h]
-                self._clear_bit(predicted, h, bit)
 
     def _apply_removed(self, state: WorkerState, event: BlockRemoved) -> None:
         tier = tier_of_medium(event.medium)
@@ -314,8 +265,8 @@ class PrefixIndex(IndexState):
             if h is None:
                 self._count_error("unknown_block")
                 continue
-            if h in state.predicted_until:  # inert (h is real): it must not outlive h
-                self._drop_prediction(state, h)
+            if self._predictions.mask & state.bit:  # a prediction of h must not outlive h
+                self._predictions.punch(state.slot, h)
             key = (tier, e)
             copies = state.engine_extra_copies.get(key)
             if copies:

@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
 from collections.abc import Callable, Iterable
-from itertools import compress, repeat
-from operator import and_, eq, or_
+from itertools import repeat
+from operator import and_, or_
 from typing import Self
 
 import msgspec
 
 from kvindex.hashing import BlockHash, EngineBlockHash, Namespace
+from kvindex.index_predictions import Predictions
 from kvindex.index_types import (
     NUM_TIERS,
-    PREDICTED_LAYER,
     SNAPSHOT_VERSION,
     ErrorKind,
     IndexSnapshot,
@@ -43,7 +42,6 @@ class WorkerState:
         "engine_to_block",
         "namespace",
         "num_blocks",
-        "predicted_until",
         "roots",
         "slot",
         "worker",
@@ -60,7 +58,6 @@ class WorkerState:
         self.engine_extra_copies: dict[tuple[int, EngineBlockHash], int] = {}
         # (tier, our hash) -> live engine hashes beyond the first that map to it
         self.block_extra_refs: dict[tuple[int, BlockHash], int] = {}
-        self.predicted_until: dict[BlockHash, float] = {}
         self.num_blocks = 0  # distinct (tier, our hash) held real
         # (lora_name, cache_salt) -> root hash; bounded by MAX_CACHED_ROOTS
         self.roots: dict[tuple[str | None, str | None], BlockHash] = {}
@@ -70,17 +67,15 @@ class IndexState:
     """Slots, layers and per-worker maps; see the module docstring."""
 
     def __init__(self) -> None:
-        # layer (GPU, CPU, DISK, PREDICTED) -> our hash -> OR of worker bits
-        self._layers: list[dict[BlockHash, int]] = [{}, {}, {}, {}]
+        # tier (GPU, CPU, DISK) -> our hash -> OR of worker bits
+        self._layers: list[dict[BlockHash, int]] = [{}, {}, {}]
+        self._predictions = Predictions()  # one record per predict() call
         self._workers: dict[WorkerId, WorkerState] = {}
         self._slot_to_state: list[WorkerState | None] = []
         self._slot_to_worker: list[WorkerId | None] = []  # read by the lookup walk
         self._free_slots: list[int] = []  # heap: reuse the lowest slot first
         self._slot_bits: list[int] = []  # interned single-bit masks
         self._all_mask = 0  # OR of the bits of every worker
-        # (until, seq, worker state, hashes) for each predict() call
-        self._expiry_heap: list[tuple[float, int, WorkerState, list[BlockHash]]] = []
-        self._expiry_seq = 0
         self._now = float("-inf")  # largest `now` seen
         self._num_blocks = 0
         self._events_applied = 0
@@ -105,6 +100,7 @@ class IndexState:
             self._slot_to_state.append(None)
             self._slot_to_worker.append(None)
             self._slot_bits.append(1 << slot)
+            self._predictions.add_slot()
         state = WorkerState(worker, namespace, slot, self._slot_bits[slot])
         self._slot_to_state[slot] = state
         self._slot_to_worker[slot] = worker
@@ -136,8 +132,7 @@ class IndexState:
         state.num_blocks = 0
         state.engine_extra_copies.clear()
         state.block_extra_refs.clear()
-        self._clear_bits(self._layers[PREDICTED_LAYER], state.predicted_until, state.bit)
-        state.predicted_until = {}
+        self._predictions.drop_worker(state.slot)
 
     def snapshot(self) -> bytes:
         """Everything needed to rebuild an equal index (msgpack). O(blocks)."""
@@ -150,7 +145,9 @@ class IndexState:
             ]
             real = self._real_mask_getter(state)
             predicted: list[tuple[int, float]] = [
-                (h, until) for h, until in state.predicted_until.items() if not real(h)
+                (h, until)
+                for h, until in self._predictions.covered(state.slot).items()
+                if not real(h)
             ]
             fields = namespace_fields(state.namespace)
             workers.append(WorkerSnapshot(state.worker, fields, blocks, predicted))
@@ -177,19 +174,15 @@ class IndexState:
 
     def check_invariants(self) -> None:
         """Recount everything from the per-worker maps. Raises AssertionError. O(size)."""
-        expected: list[dict[BlockHash, int]] = [{}, {}, {}, {}]
+        expected: list[dict[BlockHash, int]] = [{}, {}, {}]
         num_blocks = all_mask = 0
-        heap_entries = {
-            (id(state), h, until) for until, _, state, hashes in self._expiry_heap for h in hashes
-        }
         for worker, state in self._workers.items():
             _require(self._slot_to_state[state.slot] is state, f"{worker}: slot map")
             _require(self._slot_to_worker[state.slot] == worker, f"{worker}: slot worker")
             _require(state.bit == 1 << state.slot, f"{worker}: bit")
             all_mask |= state.bit
             num_blocks += self._check_worker(state, expected)
-            for h, until in state.predicted_until.items():
-                _require((id(state), h, until) in heap_entries, f"{worker}: no expiry for {h}")
+        self._check_predictions()
         _require(all_mask == self._all_mask, "all_mask")
         for layer_index, layer in enumerate(self._layers):
             _require(layer == expected[layer_index], f"layer {layer_index} masks")
@@ -207,24 +200,21 @@ class IndexState:
         return lambda h: (gpu.get(h, 0) | cpu.get(h, 0) | disk.get(h, 0)) & bit
 
     def _num_live_predictions(self, state: WorkerState) -> int:
-        """Prediction entries of ``state`` that are not inert (block not held real).
+        """Blocks predicted on ``state``'s worker and not held by it for real.
 
-        NOTE: recounted on demand (O(entries), dict probes in C), not kept as a counter:
-        ``predict`` does not know which of its entries are inert (see its NOTE).
+        NOTE: recounted on demand (O(its predicted blocks), dict probes in C), not kept
+        as a counter: ``predict`` stores one record and never probes the tier maps,
+        so it does not know which of its blocks are held (see ``index_predictions``).
         """
-        predicted_until = state.predicted_until
-        if not predicted_until:
+        if not self._predictions.mask & state.bit:
             return 0
-        gpu, cpu, disk = self._layers[:NUM_TIERS]
-        held: Iterable[int] = map(gpu.get, predicted_until, repeat(0))
+        covered = self._predictions.covered(state.slot)
+        gpu, cpu, disk = self._layers
+        held: Iterable[int] = map(gpu.get, covered, repeat(0))
         for tier in (cpu, disk):
             if tier:
-                held = map(or_, held, map(tier.get, predicted_until, repeat(0)))
-        return len(predicted_until) - sum(map(bool, map(and_, held, repeat(state.bit))))
-
-    def _drop_prediction(self, state: WorkerState, h: BlockHash) -> None:
-        del state.predicted_until[h]
-        self._clear_bit(self._layers[PREDICTED_LAYER], h, state.bit)
+                held = map(or_, held, map(tier.get, covered, repeat(0)))
+        return len(covered) - sum(map(bool, map(and_, held, repeat(state.bit))))
 
     def _store_duplicate(
         self, state: WorkerState, tier: int, e: EngineBlockHash, h: BlockHash
@@ -261,32 +251,9 @@ class IndexState:
     def _expire(self, now: float) -> None:
         if now > self._now:
             self._now = now
-        heap = self._expiry_heap
-        if not heap or heap[0][0] > self._now:
-            return
-        while heap and heap[0][0] <= self._now:
-            until, _, state, hashes = heapq.heappop(heap)
-            if self._workers.get(state.worker) is not state:
-                continue  # worker removed since
-            self._expire_hashes(state, hashes, until)
-
-    def _expire_hashes(self, state: WorkerState, hashes: list[BlockHash], until: float) -> None:
-        """Drop ``state``'s predictions of ``hashes`` that still end at ``until``.
-
-        NOTE: filters and deletes run in C (``map``, ``compress``, ``pop`` drained by a
-        zero-length deque); a whole prompt's predictions expire at once.
-        """
-        predicted_until = state.predicted_until
-        due = list(compress(hashes, map(eq, map(predicted_until.get, hashes), repeat(until))))
-        if not due:
-            return
-        _drain(map(predicted_until.pop, due))
-        predicted = self._layers[PREDICTED_LAYER]
-        bit = state.bit
-        if any(map(and_, map(predicted.__getitem__, due), repeat(~bit))):
-            self._clear_bits(predicted, due, bit)  # other workers predicted some too
-        else:
-            _drain(map(predicted.pop, due))
+        predictions = self._predictions
+        if predictions.heap and predictions.heap[0][0] <= self._now:
+            predictions.expire(self._now)
 
     def _insert_block(
         self, state: WorkerState, tier: int, e: EngineBlockHash, h: BlockHash
@@ -314,17 +281,15 @@ class IndexState:
             for _ in range(copies):
                 self._insert_block(state, tier, EngineBlockHash(e), BlockHash(h))
         until_to_hashes: dict[float, list[BlockHash]] = {}
-        predicted = self._layers[PREDICTED_LAYER]
+        seen: set[BlockHash] = set()
         for h, until in snap.predicted:
             block = BlockHash(h)
-            if until <= self._now or math.isnan(until) or block in state.predicted_until:
+            if until <= self._now or math.isnan(until) or block in seen:
                 raise ValueError(f"bad prediction {(h, until)} for {worker}")
-            state.predicted_until[block] = until
-            predicted[block] = predicted.get(block, 0) | state.bit
+            seen.add(block)
             until_to_hashes.setdefault(until, []).append(block)
         for until, hashes in until_to_hashes.items():
-            self._expiry_seq += 1
-            heapq.heappush(self._expiry_heap, (until, self._expiry_seq, state, hashes))
+            self._predictions.add(state.slot, state.bit, frozenset(hashes), until)
 
     def _check_worker(self, state: WorkerState, expected: list[dict[BlockHash, int]]) -> int:
         """Add the worker's bits to ``expected``; check its own maps; its block count."""
@@ -339,16 +304,27 @@ class IndexState:
             _require(copies > 0, f"{state.worker}: copies of {e}")
             _require(e in state.engine_to_block[tier], f"{state.worker}: copies of unknown {e}")
         _require(len(block_refs) == state.num_blocks, f"{state.worker}: num_blocks")
-        for h, until in state.predicted_until.items():
-            _require(until > self._now, f"{state.worker}: {h} expired but kept")
-            layer = expected[PREDICTED_LAYER]
-            layer[h] = layer.get(h, 0) | state.bit
         return len(block_refs)
 
-
-def _drain(calls: Iterable[object]) -> None:
-    """Run an iterator of calls for their effect, in C."""
-    deque(calls, maxlen=0)
+    def _check_predictions(self) -> None:
+        predictions = self._predictions
+        in_heap = {id(record) for _, _, record in predictions.heap}
+        mask = 0
+        for slot, records in enumerate(predictions.slot_to_predictions):
+            state = self._slot_to_state[slot] if slot < len(self._slot_to_state) else None
+            _require(not records or state is not None, f"slot {slot}: predictions, no worker")
+            if records:
+                mask |= 1 << slot
+            for record in records:
+                _require(record.live and record.slot == slot, f"slot {slot}: dead record")
+                _require(record.until > self._now, f"slot {slot}: expired but kept")
+                _require(id(record) in in_heap, f"slot {slot}: record without expiry")
+                holes = record.holes or set()
+                _require(holes <= record.blocks, f"slot {slot}: hole outside the record")
+        _require(mask == predictions.mask, "prediction mask")
+        _require(
+            len(predictions.slot_to_predictions) == len(self._slot_to_state), "prediction slots"
+        )
 
 
 def _require(condition: bool, what: str) -> None:

@@ -210,20 +210,13 @@ class Scheduler:
             load=load,
         )
         # Blocks of the leading run the worker really holds need no prediction; skipping
-        # them makes a cache hit's commit cheaper. Predicted ones in the run are renewed:
-        # the index is told the run is held, so it finds them without probing its tiers
-        # (the lookup ran at this same `now`, and nothing changed the index since).
+        # them makes a cache hit's commit cheaper. A run with predicted blocks is
+        # predicted again whole, which renews them (its real blocks are inert there).
         run = overlap.num_blocks if overlap is not None else 0
         start = 0 if overlap is None or overlap.num_predicted else run
         if len(hashes) > start and self.prediction_ttl_s > 0:
             suffix = hashes[start:] if start else hashes
-            self.index.predict(
-                chosen.worker_id,
-                suffix,
-                self.prediction_ttl_s,
-                now,
-                num_leading_held=run - start,
-            )
+            self.index.predict(chosen.worker_id, suffix, self.prediction_ttl_s, now)
         load.num_inflight += 1
         load.inflight_prefill_tokens += uncached
         return decision

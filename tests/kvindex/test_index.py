@@ -231,29 +231,33 @@ def test_a_held_block_predicted_is_not_predicted_once_removed(
     index.check_invariants()
 
 
-def test_predict_with_the_lookup_run_as_hint_equals_predict_without(
+def test_predicting_past_a_real_run_equals_predicting_everything(
     namespace: Namespace, sequences: list[list[int]]
 ) -> None:
-    """The scheduler passes the chosen worker's run from the lookup; the index must
-    end up exactly as if it had probed every block itself."""
+    """The scheduler predicts only past the chosen worker's run when the run is all
+    real; the index must end up as if the whole prompt had been predicted. And where
+    the run has predicted blocks, predicting everything extends them."""
     s0 = sequences[0]
     hashes = query(namespace, s0, 8)
     twins = []
-    for hinted in (False, True):
+    for start in (0, 3):
         twin = PrefixIndex()
         twin.add_worker(A, namespace)
         twin.add_worker(B, namespace)
         twin.apply(A, span(s0, 0, 7).stored())
         twin.apply(A, span(s0, 3, 3).removed())  # keeps 0-2 and, past a hole, 6
-        twin.predict(A, hashes[:5], ttl=2.0, now=1.0)  # blocks 3-4 predicted
-        twin.predict(B, hashes[3:5], ttl=2.0, now=1.0)  # another worker's too
-        run = twin.lookup(hashes, now=2.0)[A].num_blocks
-        assert run == 5
-        twin.predict(A, hashes, ttl=2.0, now=2.0, num_leading_held=run if hinted else 0)
+        twin.predict(B, hashes[3:5], ttl=2.0, now=1.0)  # another worker's
+        assert twin.lookup(hashes, now=2.0)[A].num_blocks == 3
+        twin.predict(A, hashes[start:], ttl=2.0, now=2.0)
         twin.check_invariants()
         twins.append(twin)
     assert twins[0].snapshot() == twins[1].snapshot()
-    assert twins[1].lookup(hashes, now=3.5)[A] == Overlap(8, 4, 0, 0, 4)
+    index = twins[1]
+    assert index.lookup(hashes, now=3.5)[A] == Overlap(8, 4, 0, 0, 4)
+    index.predict(A, hashes, ttl=2.0, now=3.5)  # renews 3-5 and 7, up to 5.5
+    assert index.lookup(hashes, now=4.5)[A] == Overlap(8, 4, 0, 0, 4)
+    assert index.stats().num_predicted == 4  # B's expired at 3
+    index.check_invariants()
 
 
 def test_clear_and_remove_worker(

@@ -10,6 +10,7 @@ import hypothesis.strategies as st
 from hypothesis import given, settings
 
 from kvindex.hashing import BlockHash
+from kvindex.index_predictions import Predictions
 from kvindex.index_walk import Overlap, WorkerId, walk_gpu_only, walk_tiered
 
 
@@ -27,6 +28,23 @@ def brute_force(
         if sum(counts):
             result[WorkerId(f"w{slot}")] = Overlap(sum(counts), *counts)
     return result
+
+
+def as_predictions(layer: dict[BlockHash, int], num_workers: int) -> Predictions:
+    """The predicted layer's masks as records: per worker, its blocks split over two
+    records (coverage by any record counts), plus a third covering them all with
+    every block a hole (holes hide blocks)."""
+    predictions = Predictions()
+    for slot in range(num_workers):
+        predictions.add_slot()
+        blocks = sorted(h for h, mask in layer.items() if (mask >> slot) & 1)
+        for part in (blocks[::2], blocks[1::2]):
+            if part:
+                predictions.add(slot, 1 << slot, frozenset(part), until=1.0)
+        if blocks:  # covers everything, but every block is a hole: adds nothing
+            predictions.add(slot, 1 << slot, frozenset(blocks), until=1.0)
+            predictions.slot_to_predictions[slot][-1].holes = set(blocks)
+    return predictions
 
 
 @st.composite
@@ -64,6 +82,7 @@ def test_walks_match_brute_force(
     slot_to_worker = [WorkerId(f"w{slot}") for slot in range(num_workers)]
     all_mask = (1 << num_workers) - 1
     expected = brute_force(hashes, layers, num_workers)
-    assert walk_tiered(hashes, layers, all_mask, slot_to_worker) == expected
+    predictions = as_predictions(layers[3], num_workers)
+    assert walk_tiered(hashes, layers[:3], predictions, all_mask, slot_to_worker) == expected
     if not (layers[1] or layers[2] or layers[3]):
         assert walk_gpu_only(hashes, layers[0], all_mask, slot_to_worker) == expected
