@@ -117,14 +117,20 @@ async def forward(
         if resp.status >= 500:
             raise RetryableError("http_5xx", f"{attempt.url} answered HTTP {resp.status}")
         if not attempt.stream or resp.status != 200:
-            return await _relay_whole(resp, attempt, deadline)
+            return await _relay_whole(request, resp, attempt, deadline)
         return await _relay_stream(request, resp, attempt, config, deadline)
     finally:
         resp.close()  # no-op when fully read; aborts the upstream request otherwise
 
 
-async def _relay_whole(resp: UpstreamResponse, attempt: Attempt, deadline: float) -> web.Response:
-    """A non-streaming answer (or an upstream 4xx): read it whole, pass it through."""
+async def _relay_whole(
+    request: web.Request, resp: UpstreamResponse, attempt: Attempt, deadline: float
+) -> web.Response:
+    """A non-streaming answer (or an upstream 4xx): read it whole, pass it through.
+
+    NOTE: the answer is sent here, before its usage is read and before the caller's
+    accounting (metrics, release), so that bookkeeping is not part of the client's wait.
+    """
     try:
         body = await resp.read_all(deadline)
     except TimeoutError:
@@ -132,16 +138,23 @@ async def _relay_whole(resp: UpstreamResponse, attempt: Attempt, deadline: float
     except _BROKEN_STREAM as exc:
         raise RetryableError("disconnect", f"{attempt.url}: {exc!r}") from None
     attempt.e2e_s = time.perf_counter() - attempt.started
-    attempt.status = resp.status
-    attempt.ok = resp.status == 200
-    if attempt.ok:
-        with contextlib.suppress(msgspec.DecodeError):
-            attempt.record_usage(_answer_decoder.decode(body).usage)
     headers = {
         "Content-Type": resp.content_type or "application/json",
         WORKER_HEADER: str(attempt.decision.worker_id),
     }
-    return web.Response(status=resp.status, body=body, headers=headers)
+    client = web.Response(status=resp.status, body=body, headers=headers)
+    attempt.status = resp.status
+    try:
+        await client.prepare(request)
+        await client.write_eof()
+    except ConnectionError:
+        attempt.status = _CLIENT_GONE
+        return client  # aiohttp's own write_eof then fails quietly too
+    attempt.ok = resp.status == 200
+    if attempt.ok:
+        with contextlib.suppress(msgspec.DecodeError):
+            attempt.record_usage(_answer_decoder.decode(body).usage)
+    return client
 
 
 async def _relay_stream(
@@ -165,7 +178,6 @@ async def _relay_stream(
     if not first:
         raise RetryableError("disconnect", f"{attempt.url} ended its stream without an event")
     attempt.ttft_s = time.perf_counter() - attempt.started
-    attempt.on_first_token(attempt)
     client = web.StreamResponse(
         status=200, headers={**_SSE_HEADERS, WORKER_HEADER: str(attempt.decision.worker_id)}
     )
@@ -201,17 +213,23 @@ async def _pump(
     first). Sets ``attempt.status`` to ``_CLIENT_GONE`` when the client hung up.
     """
     loop = asyncio.get_running_loop()
+    first_token_reported = False
     while True:
         data, done = _filter_batch(batch, attempt)
         try:
             if done:
                 await client.write_eof(data)
-                return None
-            if data:
+            elif data:
                 await client.write(data)
         except (ConnectionError, RuntimeError):
             attempt.status = _CLIENT_GONE
             return "client closed the connection"
+        finally:
+            if not first_token_reported:  # after the write: not part of the client's TTFT
+                first_token_reported = True
+                attempt.on_first_token(attempt)
+        if done:
+            return None
         idle_deadline = min(deadline, loop.time() + config.idle_timeout_s)
         try:
             batch = await events.next_batch(idle_deadline)
