@@ -80,6 +80,9 @@ class WorkerRates:
 
 _MIN_OBSERVATIONS_FOR_FLEET = 16  # a worker's rates count in the fleet mean after this
 _FLEET_REFRESH_EVERY = 64  # observations between recomputations of the fleet mean
+FLEET_REFRESH_EVERY = _FLEET_REFRESH_EVERY
+_MIN_OBSERVATIONS_DISTINCT = 64  # a worker may read its own rates after this many
+_DISTINCT_RELATIVE_GAP = 0.3  # ... if its prefill rate is this far from the fleet median
 
 
 @dataclass(slots=True)
@@ -95,6 +98,7 @@ class RateLearner:
     prior: RatePrior = field(default_factory=RatePrior)
     worker_to_rates: dict[WorkerId, WorkerRates] = field(default_factory=dict)
     _prior_rates: WorkerRates | None = None  # cached start point of unseen workers
+    _distinct: dict[WorkerId, WorkerRates] | None = None  # cached ``distinct_worker_rates``
     _num_observations: int = 0
 
     def rates_of(self, worker_id: WorkerId) -> WorkerRates:
@@ -106,12 +110,46 @@ class RateLearner:
             self._prior_rates = self._fresh()
         return self._prior_rates
 
+    @property
+    def num_observations(self) -> int:
+        """Observations taken over all workers (fleet statistics refresh every
+        ``FLEET_REFRESH_EVERY`` of them)."""
+        return self._num_observations
+
     def fleet_rates(self) -> WorkerRates:
         """The fleet's mean rates over workers with enough observations (the prior before
         any); read-only, recomputed every ``_FLEET_REFRESH_EVERY`` observations."""
         if self._prior_rates is None:
             self._prior_rates = self._fresh()
         return self._prior_rates
+
+    def distinct_worker_rates(self) -> dict[WorkerId, WorkerRates]:
+        """Workers measurably different from the fleet: at least
+        ``_MIN_OBSERVATIONS_DISTINCT`` observations and a prefill rate more than
+        ``_DISTINCT_RELATIVE_GAP`` away from the median of the learned workers'.
+
+        NOTE: identical replicas learn rates that differ by noise (TTFTs mix queueing,
+        attention's superlinear cost and the odd stall), and a greedy scorer turns a
+        few per cent of noise into a systematic preference for whichever replica looks
+        fastest. Scoring every replica with the fleet's mean removes that bias; a
+        really different worker (another GPU, a throttled one) still gets its own.
+        Recomputed with the fleet mean (every ``_FLEET_REFRESH_EVERY`` observations).
+        """
+        if self._distinct is None:
+            learned = [
+                r
+                for r in self.worker_to_rates.values()
+                if r.num_observations >= _MIN_OBSERVATIONS_FOR_FLEET
+            ]
+            median = sorted(r.theta[1] for r in learned)[len(learned) // 2] if learned else 0.0
+            self._distinct = {
+                worker_id: rates
+                for worker_id, rates in self.worker_to_rates.items()
+                if median > 0
+                and rates.num_observations >= _MIN_OBSERVATIONS_DISTINCT
+                and abs(rates.theta[1] / median - 1.0) > _DISTINCT_RELATIVE_GAP
+            }
+        return self._distinct
 
     def observe(
         self, worker_id: WorkerId, *, prefill_tokens: float, num_running: float, ttft_s: float
@@ -146,9 +184,12 @@ class RateLearner:
         self._num_observations += 1
         if self._num_observations % _FLEET_REFRESH_EVERY == 0:
             self._prior_rates = None
+            self._distinct = None
 
     def forget_worker(self, worker_id: WorkerId) -> None:
         self.worker_to_rates.pop(worker_id, None)
+        if self._distinct is not None:
+            self._distinct.pop(worker_id, None)
 
     # -- internal helpers ------------------------------------------------------------
 

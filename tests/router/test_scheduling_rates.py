@@ -9,7 +9,7 @@ import random
 import pytest
 
 from router.scheduling.drift import DriftConfig, DriftTracker
-from router.scheduling.rates import RateLearner, RatePrior
+from router.scheduling.rates import FLEET_REFRESH_EVERY, RateLearner, RatePrior
 from router.scheduling.types import WorkerId
 from tests.router.test_scheduling_policies import (
     BLOCK,
@@ -133,3 +133,38 @@ def test_new_workers_start_from_the_learned_fleet_mean() -> None:
     assert unseen == pytest.approx(2e-3, rel=0.1)  # the mean, 10x the prior
     learner.observe(WorkerId("c"), prefill_tokens=1000, num_running=0, ttft_s=2.01)
     assert learner.rates_of(WorkerId("c")).seconds_per_prefill_token == pytest.approx(2e-3, rel=0.1)
+
+
+def test_only_measurably_different_workers_keep_their_own_rates() -> None:
+    """Identical replicas with noisy TTFTs share the fleet's rates; a worker 2x slower
+    gets its own once it has enough observations."""
+    learner = RateLearner()
+    rng = random.Random(3)
+    replicas = [WorkerId(f"w{i}") for i in range(6)]
+    slow = WorkerId("slow")
+
+    def observe(worker: WorkerId, seconds_per_token: float) -> None:
+        tokens = rng.randrange(500, 20_000)
+        ttft = (0.01 + seconds_per_token * tokens) * rng.uniform(0.8, 1.25)
+        learner.observe(worker, prefill_tokens=tokens, num_running=0, ttft_s=ttft)
+
+    for _ in range(40):  # too few for anyone to stand apart
+        for worker in replicas:
+            observe(worker, 5e-5)
+        observe(slow, 1e-4)
+    assert learner.distinct_worker_rates() == {}
+    for _ in range(60):
+        for worker in replicas:
+            observe(worker, 5e-5)
+        observe(slow, 1e-4)
+    learner.observe(slow, prefill_tokens=1, num_running=0, ttft_s=0.01)  # may refresh
+    for _ in range(_until_refresh(learner)):
+        observe(replicas[0], 5e-5)
+    assert set(learner.distinct_worker_rates()) == {slow}
+    learner.forget_worker(slow)
+    assert learner.distinct_worker_rates() == {}
+
+
+def _until_refresh(learner: RateLearner) -> int:
+    """Observations left before the learner recomputes its fleet statistics."""
+    return (-learner.num_observations) % FLEET_REFRESH_EVERY

@@ -47,9 +47,14 @@ from router.scheduling.policy import (
     PolicySpec,
     argmin_random_tie,
 )
-from router.scheduling.rates import RUNNING_SCALE, TOKEN_SCALE, WorkerRates
+from router.scheduling.rates import RUNNING_SCALE, TOKEN_SCALE, RateLearner, WorkerRates
 from router.scheduling.types import Decision, WorkerId, WorkerView
 from router.scheduling.utilization import RecentUtilization
+
+# Whose learned rates score a worker: "per_worker" its own (the fleet mean until it is
+# first observed), "pooled" the fleet's mean for all, "auto" the fleet's mean unless the
+# worker is measurably different (``RateLearner.distinct_worker_rates``).
+RATE_SHARING = ("auto", "pooled", "per_worker")
 
 
 class CacheAwarePolicy(BasePolicy):
@@ -62,7 +67,7 @@ class CacheAwarePolicy(BasePolicy):
         temperature: float = 0.0,
         added_work_weight: float = 0.5,
         busy_window_s: float = 60.0,
-        pooled_rates: bool = False,
+        rate_sharing: str = "auto",
     ) -> None:
         if temperature < 0:
             raise ValueError("temperature must be >= 0")
@@ -73,7 +78,9 @@ class CacheAwarePolicy(BasePolicy):
         self.costs = costs or TierCosts()
         self.temperature = temperature
         self.added_work_weight = added_work_weight
-        self.pooled_rates = pooled_rates
+        if rate_sharing not in RATE_SHARING:
+            raise ValueError(f"rate_sharing must be one of {', '.join(RATE_SHARING)}")
+        self.rate_sharing = rate_sharing
         # None: the busy term is off (rho = 0 for every worker)
         self.busy = RecentUtilization(busy_window_s) if busy_window_s > 0 else None
 
@@ -81,13 +88,27 @@ class CacheAwarePolicy(BasePolicy):
         """Charge the chosen worker the prefill seconds this request adds there."""
         if self.busy is None or decision.inflight_prefill_tokens <= 0:
             return
-        rates = ctx.rates.rates_of(decision.worker_id)
+        rates = self.scoring_rates(ctx.rates, decision.worker_id)
         seconds = decision.inflight_prefill_tokens * rates.seconds_per_prefill_token
         self.busy.add(decision.worker_id, seconds, ctx.now)
 
     def forget_worker(self, worker_id: WorkerId) -> None:
         if self.busy is not None:
             self.busy.forget(worker_id)
+
+    def own_rates(self, learner: RateLearner) -> dict[WorkerId, WorkerRates]:
+        """Workers scored with their own learned rates; every other one reads the
+        fleet's mean (``RateLearner.fleet_rates``). See ``RATE_SHARING``."""
+        if self.rate_sharing == "per_worker":
+            return learner.worker_to_rates
+        if self.rate_sharing == "auto":
+            return learner.distinct_worker_rates()
+        return {}
+
+    def scoring_rates(self, learner: RateLearner, worker_id: WorkerId) -> WorkerRates:
+        """The rates the score uses for ``worker_id``."""
+        own = self.own_rates(learner).get(worker_id)
+        return own if own is not None else learner.fleet_rates()
 
     def utilization(self, worker_id: WorkerId, now: float) -> float:
         """``rho`` of ``worker_id`` as the score reads it (0 when the term is off)."""
@@ -120,9 +141,8 @@ class CacheAwarePolicy(BasePolicy):
         num_prompt_tokens = len(ctx.request.prompt_token_ids)
         max_hit_tokens = num_prompt_tokens - 1  # vLLM always computes the last token
         learner = ctx.rates
-        # pooled: every worker reads the fleet's mean rates (identical replicas)
-        worker_to_rates = {} if self.pooled_rates else learner.worker_to_rates
-        shared_rates: WorkerRates | None = None  # what every unseen worker reads
+        worker_to_rates = self.own_rates(learner)
+        shared_rates: WorkerRates | None = None  # what every other worker reads
         costs = self.costs
         added_work_weight = self.added_work_weight
         busy = self.busy
@@ -206,7 +226,7 @@ def _create(params: Mapping[str, ParamValue]) -> CacheAwarePolicy:
         temperature=float(params["temperature"]),
         added_work_weight=float(params["added_work_weight"]),
         busy_window_s=float(params["busy_window_s"]),
-        pooled_rates=bool(params["pooled_rates"]),
+        rate_sharing=str(params["rate_sharing"]),
     )
 
 
@@ -232,10 +252,11 @@ SPEC = PolicySpec(
             "weight by 1 / (1 - utilisation); 0 turns it off",
         ),
         ParamSpec(
-            "pooled_rates",
-            bool,
-            False,
-            "score every worker with the fleet's mean learned rates (identical replicas)",
+            "rate_sharing",
+            str,
+            "auto",
+            "whose learned rates score a worker: auto (the fleet's mean unless the worker "
+            "is measurably different), pooled (the fleet's mean), per_worker (its own)",
         ),
     ),
     factory=_create,
