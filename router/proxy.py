@@ -153,11 +153,9 @@ class Proxy:
         return None
 
     def _pick(self, routing: RoutingRequest, exclude: tuple[WorkerId, ...]) -> Decision | None:
-        decision = self.scheduler.pick(routing, self.fleet.views(), exclude=exclude)
-        if decision is not None:
-            for phase, seconds in decision.phase_seconds.items():
-                self.metrics.observe_phase(phase, seconds)
-        return decision
+        # NOTE: the decision's phase timings are recorded by ``_finish``, once the client
+        # has its answer; every decision picked here reaches ``_finish`` through an Attempt.
+        return self.scheduler.pick(routing, self.fleet.views(), exclude=exclude)
 
     async def _forward_with_retries(
         self,
@@ -215,6 +213,8 @@ class Proxy:
     def _finish(self, attempt: Attempt, *, ok: bool) -> None:
         """Release the decision once, record metrics, resync on persistent drift."""
         decision = attempt.decision
+        for phase, seconds in decision.phase_seconds.items():
+            self.metrics.observe_phase(phase, seconds)
         worker = decision.worker_id
         cached = attempt.cached_tokens
         if attempt.status is not None:

@@ -165,6 +165,14 @@ def test_models_health_ready_and_metrics() -> None:
             ):
                 assert name in text, name
             assert 'status="200"' in text
+            # the request's decision phases are recorded once each (after its answer)
+            counts = {
+                line.split('phase="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("kvroute_router_decision_seconds_count")
+            }
+            assert counts.get("tokenize") == 1.0
+            assert len(counts) >= 2 and set(counts.values()) == {1.0}, counts
 
     run(main())
 
