@@ -25,7 +25,6 @@ class Tier(enum.IntEnum):
 
 
 NUM_TIERS: Final = 3
-PREDICTED_LAYER: Final = 3  # index of the predicted layer after the tiers
 INT_OBJECT_BYTES: Final = 32  # a 64-bit int object on CPython
 
 ErrorKind = Literal[
@@ -69,7 +68,9 @@ class IndexStats:
 MAX_CACHED_ROOTS: Final = 4096  # per worker (lora, salt) -> root entries kept
 
 
-SNAPSHOT_VERSION: Final = 1
+# 2: block hashes from the numpy chain (kvindex.hashing), not mmh3: version 1
+# snapshots hold hashes no prompt hashes to any more.
+SNAPSHOT_VERSION: Final = 2
 
 
 class WorkerSnapshot(msgspec.Struct, array_like=True, gc=False):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 import struct
 
-import mmh3
 import pytest
 
 from kvindex.hashing import (
@@ -21,26 +20,66 @@ from kvindex.hashing import (
     token_bytes,
 )
 
+MASK64 = (1 << 64) - 1
+P = 0x9E3779B97F4A7C15
+
+
+def fmix64(x: int) -> int:
+    x ^= x >> 33
+    x = (x * 0xFF51AFD7ED558CCD) & MASK64
+    x ^= x >> 33
+    x = (x * 0xC4CEB9FE1A85EC53) & MASK64
+    return x ^ (x >> 33)
+
 
 def documented_chain(parent: int, token_ids: list[int], block_size: int) -> list[int]:
-    """h(i) = mmh3_x64_128(le64(h(i-1)) || le32(tokens of block i)), low 64 bits."""
+    """d(i) = fmix64(sum_k t[i, k] * KEY[k]), h(i) = h(i-1) * P + d(i), mod 2**64,
+    KEY[k] = fmix64(P * (k + 1)) | 1: the module docstring, one block at a time."""
+    keys = [fmix64(P * (k + 1) & MASK64) | 1 for k in range(block_size)]
     hashes = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         block = token_ids[start : start + block_size]
-        data = struct.pack(f"<Q{block_size}I", parent, *block)
-        parent = mmh3.hash128(data, 0, signed=False) & ((1 << 64) - 1)
+        digest = fmix64(sum(t * key for t, key in zip(block, keys, strict=True)) & MASK64)
+        parent = (parent * P + digest) & MASK64
         hashes.append(parent)
     return hashes
 
 
-@pytest.mark.parametrize("block_size", [1, 16, 32])
-def test_chain_matches_documented_formula(block_size: int) -> None:
-    rng = random.Random(block_size)
-    tokens = [rng.randrange(0, 2**32) for _ in range(5 * block_size + block_size // 2)]
-    parent = BlockHash(rng.randrange(0, 2**64))
-    expected = documented_chain(parent, tokens, block_size)
-    assert chain_hashes(parent, tokens, block_size) == expected
-    assert len(expected) == 5  # the partial last block is never hashed
+@pytest.mark.parametrize("block_size", [1, 16, 32, 100])
+@pytest.mark.parametrize("num_blocks", [1, 5, 3000])
+def test_chain_matches_documented_formula(block_size: int, num_blocks: int) -> None:
+    """Every block size and length, beyond the first power tables (1,024 blocks) and
+    key table (64 tokens), and extreme token ids and parents."""
+    rng = random.Random(block_size * num_blocks)
+    tokens = [rng.randrange(0, 2**32) for _ in range(num_blocks * block_size + block_size // 2)]
+    tokens[0], tokens[-1] = 0, 2**32 - 1
+    for parent in (BlockHash(rng.randrange(0, 2**64)), BlockHash(0), BlockHash(2**64 - 1)):
+        expected = documented_chain(parent, tokens, block_size)
+        assert chain_hashes(parent, tokens, block_size) == expected
+        assert len(expected) == num_blocks  # the partial last block is never hashed
+
+
+def test_chain_separates_near_prompts() -> None:
+    """One token changed by one, or two tokens swapped, or one more block: new hashes
+    from that block on, equal ones before it (chaining)."""
+    namespace = Namespace("m", block_size=16)
+    rng = random.Random(3)
+    base = [rng.randrange(0, 50_000) for _ in range(16 * 8)]
+    hashes = hash_prompt(namespace, base)
+    seen = set(hashes)
+    for position in range(0, len(base), 7):
+        bumped = base.copy()
+        bumped[position] += 1
+        swapped = base.copy()
+        swapped[position], swapped[position ^ 1] = swapped[position ^ 1], swapped[position]
+        for other in (bumped, swapped):
+            if other == base:
+                continue
+            changed = hash_prompt(namespace, other)
+            block = position // 16
+            assert changed[:block] == hashes[:block]
+            assert not set(changed[block:]) & seen
+    assert hash_prompt(namespace.with_salt("t"), base)[0] != hashes[0]
 
 
 def test_prompt_chain_is_the_event_chain_split_anywhere() -> None:
