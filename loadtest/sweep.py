@@ -176,8 +176,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--slo-ttft-p90-s",
-        default="3,5",
-        help="TTFT p90 SLOs (seconds, comma-separated) for goodput; the first is drawn in the plot",
+        default=None,
+        help="TTFT p90 SLOs (seconds, comma-separated) for goodput; the first is drawn in the "
+        "plot (default: 3,5, or the rendered sweep's own)",
     )
     parser.add_argument(
         "--render",
@@ -307,8 +308,13 @@ def read_sweep(path: Path) -> dict[str, Any]:
     return {**data, "rows": rows}
 
 
+def _slos(args: argparse.Namespace, result: dict[str, Any]) -> list[float]:
+    """The SLOs asked for, else those the rendered sweep was run with, else 3 and 5 s."""
+    text = args.slo_ttft_p90_s or result.get("args", {}).get("slo_ttft_p90_s") or "3,5"
+    return [float(x) for x in str(text).split(",")]
+
+
 def run(args: argparse.Namespace) -> int:
-    slos = [float(x) for x in str(args.slo_ttft_p90_s).split(",")]
     header = (
         f"# kvroute sweep: {args.workers} simulated workers, Mooncake trace, "
         f"{args.num_requests} requests\n\n- command: kvroute sweep {' '.join(sys.argv[2:])}"
@@ -318,9 +324,12 @@ def run(args: argparse.Namespace) -> int:
             result = read_sweep(args.render)
             header = f"# kvroute sweep (re-rendered from {args.render.name})\n"
             header += "".join(f"\n- {line}" for line in result.get("notes", []))
+            slos = _slos(args, result)
         else:
+            slos = _slos(args, {})  # a malformed --slo-ttft-p90-s fails before the fleet starts
             result = run_sweep(args)
             result["args"] = {k: str(v) for k, v in vars(args).items()}
+            result["args"]["slo_ttft_p90_s"] = ",".join(f"{slo:g}" for slo in slos)
     except (ValueError, OSError, FleetError) as exc:
         print(f"kvroute sweep: error: {exc}", file=sys.stderr)
         return 1
