@@ -59,6 +59,18 @@ class _Answer(msgspec.Struct):
 _answer_decoder = msgspec.json.Decoder(_Answer)
 
 
+class _EventStreamResponse(web.StreamResponse):
+    """The client's SSE response.
+
+    NOTE: it is prepared only once the first upstream event is there, so its headers
+    wait for that event and leave in the same write (aiohttp's ``web.Response`` does the
+    same); a plain ``StreamResponse`` sends them alone, one more syscall and packet
+    before the first token. ``_send_headers_immediately`` is aiohttp's (3.12+) switch.
+    """
+
+    _send_headers_immediately = False
+
+
 class RetryableError(Exception):
     """The attempt failed before the client saw a byte; another worker may serve it."""
 
@@ -178,7 +190,7 @@ async def _relay_stream(
     if not first:
         raise RetryableError("disconnect", f"{attempt.url} ended its stream without an event")
     attempt.ttft_s = time.perf_counter() - attempt.started
-    client = web.StreamResponse(
+    client = _EventStreamResponse(
         status=200, headers={**_SSE_HEADERS, WORKER_HEADER: str(attempt.decision.worker_id)}
     )
     await client.prepare(request)

@@ -8,11 +8,12 @@ import itertools
 import json
 from typing import cast
 
+from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
 from router.scheduling.types import Decision
-from router.upstream import Attempt, _EventReader, _filter_batch
+from router.upstream import Attempt, _EventReader, _EventStreamResponse, _filter_batch
 from router.upstream_http import UpstreamResponse
 
 TOKEN = b'data: {"choices": [{"text": "a"}]}\n\n'
@@ -100,3 +101,9 @@ def test_a_last_unterminated_event_is_returned_at_the_end_of_the_body() -> None:
     assert not done
     assert writes == [TOKEN, b'data: {"x": 1}\n\n']
     assert json.loads(writes[1].removeprefix(b"data: ")) == {"x": 1}
+
+
+def test_the_sse_response_holds_its_headers_for_the_first_events() -> None:
+    """Tripwire for an aiohttp upgrade: the switch the relay flips must still exist."""
+    assert web.StreamResponse._send_headers_immediately is True  # aiohttp's default
+    assert _EventStreamResponse._send_headers_immediately is False
