@@ -19,6 +19,7 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import compress
 from typing import Protocol
 
 from kvindex.hashing import BlockHash, Namespace, hash_prompt
@@ -175,10 +176,18 @@ class PolicySpec:
 def argmin_random_tie(
     candidates: Sequence[WorkerView], scores: Sequence[float], rng: random.Random
 ) -> WorkerView:
-    """The candidate with the lowest score; ties (within 1e-12 relative) broken at random."""
+    """The candidate with the lowest score; ties (within 1e-12 relative) broken at random.
+
+    NOTE: the scans run in C (``map`` of ``threshold.__ge__``) and the usual single
+    winner is found by ``index``: every cache_aware pick runs this over the fleet.
+    """
+    if len(candidates) != len(scores):
+        raise ValueError(f"{len(candidates)} candidates but {len(scores)} scores")
     best = min(scores)
-    tolerance = abs(best) * 1e-12
-    tied = [c for c, s in zip(candidates, scores, strict=True) if s <= best + tolerance]
+    threshold = best + abs(best) * 1e-12
+    if sum(map(threshold.__ge__, scores)) == 1:
+        return candidates[scores.index(best)]
+    tied = list(compress(candidates, map(threshold.__ge__, scores)))
     return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 

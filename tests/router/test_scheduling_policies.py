@@ -17,6 +17,7 @@ from kvindex.hashing import Namespace, hash_prompt
 from kvindex.index import PrefixIndex, WorkerId
 from kvindex.protocol import BlockStored
 from router.scheduling.policies.approx_prefix import ApproxPrefixPolicy
+from router.scheduling.policy import argmin_random_tie
 from router.scheduling.registry import (
     POLICIES,
     PolicyConfigError,
@@ -327,3 +328,16 @@ def test_forget_worker_drops_its_state_everywhere() -> None:
     remaining = [w for w in workers if w.worker_id != first.worker_id]
     moved = session.pick(request(prompt, session_key="k"), remaining)
     assert moved is not None and moved.worker_id != first.worker_id
+
+
+def test_argmin_random_tie_picks_the_lowest_and_draws_only_among_ties() -> None:
+    _, workers = make_fleet(5)
+    untouched = random.Random(3)
+    state = untouched.getstate()
+    assert argmin_random_tie(workers, [3.0, 1.0, 2.0, 1.5, 9.0], untouched) is workers[1]
+    assert untouched.getstate() == state  # a single winner draws nothing
+    tie = [2.0, 1.0, 5.0, 1.0 + 1e-13, 1.0 + 1e-9]  # 1e-13 is within 1e-12 relative
+    drawn = Counter(argmin_random_tie(workers, tie, random.Random(s)).worker_id for s in range(200))
+    assert set(drawn) == {"w1", "w3"}
+    with pytest.raises(ValueError):
+        argmin_random_tie(workers, [1.0, 2.0], random.Random(0))
