@@ -56,7 +56,7 @@ class Scheduler:
         rate_prior: RatePrior | None = None,
         drift: DriftConfig | None = None,
         tier_costs: TierCosts | None = None,
-        prefix_cache_entries: int = 64,
+        prefix_cache_entries: int = 0,
     ) -> None:
         self.index = index
         self.policy = policy
@@ -68,6 +68,9 @@ class Scheduler:
         self.tier_costs = tier_costs or TierCosts()  # for the router-side inflight estimate
         # Recent prompts' block hashes: a prompt hashes only blocks past the prefix it
         # shares with the last one that began alike (0 entries: always hash it all).
+        # NOTE: off by default since the chain is hashed by numpy (~0.03 us per block):
+        # the cache's own work (a bytes copy, a binary search, its LRU) costs about
+        # what it saves (decision bench, BENCHMARKS.md).
         self.prefix_hashes = PrefixChainCache(prefix_cache_entries)
         # (base root, lora, salt) -> effective namespace; bounded LRU.
         self._namespaces: OrderedDict[tuple[int, str | None, str | None], Namespace] = OrderedDict()
