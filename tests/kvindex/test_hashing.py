@@ -24,22 +24,19 @@ MASK64 = (1 << 64) - 1
 P = 0x9E3779B97F4A7C15
 
 
-def fmix64(x: int) -> int:
-    x ^= x >> 33
-    x = (x * 0xFF51AFD7ED558CCD) & MASK64
-    x ^= x >> 33
-    x = (x * 0xC4CEB9FE1A85EC53) & MASK64
-    return x ^ (x >> 33)
+def mix(x: int) -> int:
+    y = (x * 0xFF51AFD7ED558CCD) & MASK64
+    return y ^ (y >> 32)
 
 
 def documented_chain(parent: int, token_ids: list[int], block_size: int) -> list[int]:
-    """d(i) = fmix64(sum_k t[i, k] * KEY[k]), h(i) = h(i-1) * P + d(i), mod 2**64,
-    KEY[k] = fmix64(P * (k + 1)) | 1: the module docstring, one block at a time."""
-    keys = [fmix64(P * (k + 1) & MASK64) | 1 for k in range(block_size)]
+    """d(i) = mix(sum_k t[i, k] * KEY[k]), h(i) = h(i-1) * P + d(i), mod 2**64,
+    KEY[k] = mix(P * (k + 1)) | 1: the module docstring, one block at a time."""
+    keys = [mix(P * (k + 1) & MASK64) | 1 for k in range(block_size)]
     hashes = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         block = token_ids[start : start + block_size]
-        digest = fmix64(sum(t * key for t, key in zip(block, keys, strict=True)) & MASK64)
+        digest = mix(sum(t * key for t, key in zip(block, keys, strict=True)) & MASK64)
         parent = (parent * P + digest) & MASK64
         hashes.append(parent)
     return hashes
