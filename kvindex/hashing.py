@@ -136,6 +136,7 @@ def chain_hashes(parent: BlockHash, token_ids: Sequence[int], block_size: int) -
 
 
 _MASK64 = (1 << 64) - 1
+_MAX_SCALAR_CHAIN = 24  # chains of up to this many blocks are combined in Python
 _P = 0x9E3779B97F4A7C15  # odd, so invertible modulo 2**64
 _P_INVERSE = pow(_P, -1, 1 << 64)
 _MIX_MULTIPLIER, _SHIFT_32 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(32)
@@ -212,6 +213,13 @@ def _chain(
         return []
     tokens = np.frombuffer(data, dtype=np.uint32, count=n * block_size, offset=start)
     digests = _mix64(tokens.reshape(n, block_size).astype(np.uint64) @ _Tables.keys_for(block_size))
+    if n <= _MAX_SCALAR_CHAIN:  # an event's few blocks: five numpy calls cost more
+        hashes: list[int] = []
+        current = parent
+        for digest in digests.tolist():
+            current = (current * _P + digest) & _MASK64
+            hashes.append(current)
+        return hashes
     powers, inverse_powers = _Tables.powers_for(n)
     prefix = np.cumsum(digests * inverse_powers, dtype=np.uint64)
     prefix += np.uint64(parent * _P & _MASK64)

@@ -43,7 +43,7 @@ def documented_chain(parent: int, token_ids: list[int], block_size: int) -> list
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 32, 100])
-@pytest.mark.parametrize("num_blocks", [1, 5, 3000])
+@pytest.mark.parametrize("num_blocks", [1, 5, 24, 25, 3000])  # 24: the scalar chain's limit
 def test_chain_matches_documented_formula(block_size: int, num_blocks: int) -> None:
     """Every block size and length, beyond the first power tables (1,024 blocks) and
     key table (64 tokens), and extreme token ids and parents."""
