@@ -116,9 +116,12 @@ SHARE_SMOOTHING = 0.01  # ``eps`` in ``share``: 1 % utilisation; 0/0 (no work ye
 def added_work_factor(
     added_work_weight: float, utilization: float, mean_utilization: float
 ) -> float:
-    """``1 + added_work_weight * share / (1 - rho)``: what one uncached token weighs."""
-    share = (utilization + SHARE_SMOOTHING) / (mean_utilization + SHARE_SMOOTHING)
-    return 1.0 + added_work_weight * share / (1.0 - utilization)
+    """``1 + added_work_weight * share / (1 - rho)``: what one uncached token weighs.
+
+    Computed as ``1 + (weight / (mean + eps)) * (rho + eps) / (1 - rho)``, the order
+    ``cache_aware`` inlines (its first factor is the same for every worker of a pick)."""
+    weight_per_share = added_work_weight / (mean_utilization + SHARE_SMOOTHING)
+    return 1.0 + weight_per_share * (utilization + SHARE_SMOOTHING) / (1.0 - utilization)
 
 
 def expected_ttft(

@@ -144,14 +144,14 @@ class CacheAwarePolicy(BasePolicy):
         worker_to_rates = self.own_rates(learner)
         shared_rates: WorkerRates | None = None  # what every other worker reads
         costs = self.costs
-        added_work_weight = self.added_work_weight
         busy = self.busy
         # rho(w) = scaled(w) * busy_scale, capped (RecentUtilization.utilization, inlined)
         worker_to_scaled = busy.worker_to_scaled if busy is not None else {}
         busy_scale = busy.scale(ctx.now) if busy is not None else 0.0
         max_rho = busy.max_utilization if busy is not None else 0.0
-        mean_rho = self.mean_utilization(ctx)
         eps = SHARE_SMOOTHING
+        weight_per_share = self.added_work_weight / (self.mean_utilization(ctx) + eps)
+        idle_factor = 1.0 + weight_per_share * (0.0 + eps) / (1.0 - 0.0)  # rho = 0
         scores: list[float] = []
         append = scores.append
         root_to_overlaps: dict[int, dict[WorkerId, Overlap]] = {}  # one lookup per namespace
@@ -192,16 +192,16 @@ class CacheAwarePolicy(BasePolicy):
             if rates is None:
                 rates = shared_rates = shared_rates or learner.fleet_rates()
             theta_0, theta_1, theta_2 = rates.theta
-            rho = worker_to_scaled.get(worker_id, 0.0) * busy_scale
-            if rho > max_rho:
-                rho = max_rho
+            scaled = worker_to_scaled.get(worker_id)
+            if scaled is None:  # never charged: rho = 0
+                factor = idle_factor
+            else:
+                rho = scaled * busy_scale
+                if rho > max_rho:
+                    rho = max_rho
+                factor = 1.0 + weight_per_share * (rho + eps) / (1.0 - rho)
             load = worker.load
-            work = (
-                load.prefill_tokens_queued
-                + load.inflight_prefill_tokens
-                + uncached
-                * (1.0 + added_work_weight * ((rho + eps) / (mean_rho + eps)) / (1.0 - rho))
-            )
+            work = load.prefill_tokens_queued + load.inflight_prefill_tokens + uncached * factor
             running = load.num_running
             num_inflight = load.num_inflight
             if num_inflight > running:  # max(), without the call
