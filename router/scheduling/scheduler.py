@@ -85,6 +85,14 @@ class Scheduler:
     ) -> list[WorkerView]:
         """Healthy workers serving the model (and LoRA), under their cap, not excluded."""
         model, lora = request.model, request.lora_name
+        if lora is None and not exclude:  # the usual pick: two tests fewer per worker
+            return [
+                w
+                for w in workers
+                if w.healthy
+                and model in w.models
+                and (w.max_concurrency is None or w.load.num_inflight < w.max_concurrency)
+            ]
         return [
             w
             for w in workers

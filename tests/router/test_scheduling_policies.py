@@ -180,6 +180,20 @@ def test_every_policy_picks_only_eligible_workers(policy: str) -> None:
     assert sched.pick(request(tokens(0, 64), lora_name="a"), workers, exclude={"w4"}) is None
 
 
+def test_eligibility_without_lora_or_exclusions() -> None:
+    """The base-model path (no LoRA, nothing excluded) filters health, model and cap,
+    and ignores LoRAs."""
+    index, workers = make_fleet(5, loras=("a",), max_concurrency=1)
+    workers[0].healthy = False
+    workers[1].models = frozenset({"other"})
+    workers[2].loras = frozenset()  # serves the base model all the same
+    workers[3].load.num_inflight = 1  # at its cap
+    sched = scheduler(index, "cache_aware")
+    base_request = request(tokens(0, 64))
+    assert [w.worker_id for w in sched.eligible(base_request, workers)] == ["w2", "w4"]
+    assert [w.worker_id for w in sched.eligible(base_request, workers, exclude={"w4"})] == ["w2"]
+
+
 def test_pick_commits_prediction_and_load_once() -> None:
     index, workers = make_fleet(3)
     sched = scheduler(index, "round_robin")
