@@ -39,11 +39,21 @@ STARTUP_TIMEOUT_S = 600.0  # 80-100 s alone; much longer when two start on 2 bus
 STOP_TIMEOUT_S = 30.0
 
 
+_HANDED_OUT_PORTS: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0), never one
+    this process handed out before: the kernel may give a just-released port again, and
+    two servers started together (HTTP, ZMQ and replay ports each) must not share one."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _HANDED_OUT_PORTS:
+            _HANDED_OUT_PORTS.add(port)
+            return port
+    raise RuntimeError("no fresh free port after 100 tries")
 
 
 def kv_events_config(zmq_port: int, replay_port: int, topic: str = KV_TOPIC) -> str:
