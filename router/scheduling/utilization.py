@@ -13,13 +13,15 @@ one per worker). The epoch moves forward (renormalising every value) before the
 stored numbers could overflow.
 
 Invariants: stored values are >= 0; ``utilization`` is in ``[0, max_utilization]``.
-Cost: ``add`` O(1) (O(workers) on the rare renormalisation), ``scale`` O(1).
+Cost: ``add`` O(1) (O(workers) on the rare renormalisation), ``scale`` O(1),
+``mean_utilization`` O(workers asked about).
 Pure: time comes in as ``now`` (seconds, any monotonic clock).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 from router.scheduling.types import WorkerId
 
@@ -29,7 +31,7 @@ _MAX_EXPONENT = 50.0  # renormalise when exp((t - epoch) / window) would exceed 
 class RecentUtilization:
     """Per-worker exponentially decayed prefill seconds (see module docstring)."""
 
-    __slots__ = ("_epoch", "_total_scaled", "_worker_to_scaled", "max_utilization", "window_s")
+    __slots__ = ("_epoch", "_worker_to_scaled", "max_utilization", "window_s")
 
     def __init__(self, window_s: float, max_utilization: float = 0.95) -> None:
         if window_s <= 0:
@@ -40,7 +42,6 @@ class RecentUtilization:
         self.max_utilization = max_utilization
         self._epoch: float | None = None
         self._worker_to_scaled: dict[WorkerId, float] = {}
-        self._total_scaled = 0.0  # sum of the stored values
 
     @property
     def worker_to_scaled(self) -> dict[WorkerId, float]:
@@ -59,7 +60,6 @@ class RecentUtilization:
             exponent = 0.0
         scaled = busy_seconds * math.exp(exponent)
         self._worker_to_scaled[worker] = self._worker_to_scaled.get(worker, 0.0) + scaled
-        self._total_scaled += scaled
 
     def scale(self, now: float) -> float:
         """Multiply a stored value by this to get its utilisation at ``now``."""
@@ -72,20 +72,20 @@ class RecentUtilization:
         value = self._worker_to_scaled.get(worker, 0.0) * self.scale(now)
         return value if value < self.max_utilization else self.max_utilization
 
-    def mean_utilization(self, num_workers: int, now: float) -> float:
-        """Mean raw utilisation over ``num_workers`` workers (those never charged count
-        as 0); the cap is not applied. 0 for no workers."""
-        if num_workers <= 0:
+    def mean_utilization(self, workers: Iterable[WorkerId], now: float) -> float:
+        """Mean raw utilisation over ``workers`` (those never charged count as 0; the cap
+        is not applied): ``sum(stored) * scale(now) / n``. 0 for no workers."""
+        values = [self._worker_to_scaled.get(worker, 0.0) for worker in workers]
+        if not values:
             return 0.0
-        return self._total_scaled * self.scale(now) / num_workers
+        return sum(values) * self.scale(now) / len(values)
 
     def forget(self, worker: WorkerId) -> None:
-        self._total_scaled = max(0.0, self._total_scaled - self._worker_to_scaled.pop(worker, 0.0))
+        self._worker_to_scaled.pop(worker, None)
 
     def _renormalise(self, now: float) -> None:
         assert self._epoch is not None
         factor = math.exp(-(now - self._epoch) / self.window_s)
         for worker, value in self._worker_to_scaled.items():
             self._worker_to_scaled[worker] = value * factor
-        self._total_scaled = sum(self._worker_to_scaled.values())
         self._epoch = now

@@ -65,3 +65,13 @@ def test_caps_ignores_bad_amounts_and_forgets() -> None:
 def test_rejects_bad_parameters(window: float, cap: float) -> None:
     with pytest.raises(ValueError):
         RecentUtilization(window_s=window, max_utilization=cap)
+
+
+def test_mean_is_over_the_workers_asked_about() -> None:
+    """Workers outside the asked set (another model's, an ineligible one) do not count."""
+    busy = RecentUtilization(window_s=4.0)
+    busy.add(W0, 2.0, now=0.0)
+    busy.add(W1, 1.0, now=0.0)
+    busy.add(WorkerId("other-model"), 40.0, now=0.0)
+    assert busy.mean_utilization([W0, W1, WorkerId("idle")], 0.0) == pytest.approx(3.0 / 4.0 / 3)
+    assert busy.mean_utilization([], 0.0) == 0.0

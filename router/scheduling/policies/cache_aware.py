@@ -118,7 +118,7 @@ class CacheAwarePolicy(BasePolicy):
         """``mean_rho`` over the candidates as the score reads it (0 when off)."""
         if self.busy is None:
             return 0.0
-        return self.busy.mean_utilization(len(ctx.candidates), ctx.now)
+        return self.busy.mean_utilization((w.worker_id for w in ctx.candidates), ctx.now)
 
     def choose(self, ctx: PickContext) -> WorkerView:
         candidates = ctx.candidates
@@ -150,8 +150,13 @@ class CacheAwarePolicy(BasePolicy):
         busy_scale = busy.scale(ctx.now) if busy is not None else 0.0
         max_rho = busy.max_utilization if busy is not None else 0.0
         eps = SHARE_SMOOTHING
-        weight_per_share = self.added_work_weight / (self.mean_utilization(ctx) + eps)
-        idle_factor = 1.0 + weight_per_share * (0.0 + eps) / (1.0 - 0.0)  # rho = 0
+        # stored busy values of the candidates, in order (RecentUtilization, inlined)
+        if busy is not None:
+            scaled_values = [worker_to_scaled.get(w.worker_id, 0.0) for w in ctx.candidates]
+            mean_rho = sum(scaled_values) * busy_scale / len(scaled_values)
+        else:
+            scaled_values, mean_rho = [0.0] * len(ctx.candidates), 0.0
+        weight_per_share = self.added_work_weight / (mean_rho + eps)
         scores: list[float] = []
         append = scores.append
         root_to_overlaps: dict[int, dict[WorkerId, Overlap]] = {}  # one lookup per namespace
@@ -164,7 +169,7 @@ class CacheAwarePolicy(BasePolicy):
         last_namespace: Namespace | None = None
         overlaps: dict[WorkerId, Overlap] = {}
         block_size = 0
-        for worker in ctx.candidates:
+        for worker, scaled in zip(ctx.candidates, scaled_values, strict=True):
             namespace = worker.namespace
             if namespace is not last_namespace:
                 last_namespace, block_size = namespace, namespace.block_size
@@ -192,14 +197,10 @@ class CacheAwarePolicy(BasePolicy):
             if rates is None:
                 rates = shared_rates = shared_rates or learner.fleet_rates()
             theta_0, theta_1, theta_2 = rates.theta
-            scaled = worker_to_scaled.get(worker_id)
-            if scaled is None:  # never charged: rho = 0
-                factor = idle_factor
-            else:
-                rho = scaled * busy_scale
-                if rho > max_rho:
-                    rho = max_rho
-                factor = 1.0 + weight_per_share * (rho + eps) / (1.0 - rho)
+            rho = scaled * busy_scale
+            if rho > max_rho:
+                rho = max_rho
+            factor = 1.0 + weight_per_share * (rho + eps) / (1.0 - rho)
             load = worker.load
             work = load.prefill_tokens_queued + load.inflight_prefill_tokens + uncached * factor
             running = load.num_running
