@@ -175,6 +175,8 @@ class Proxy:
                 decision = retry
             attempt = self._attempt(decision, parsed, payload)
             try:
+                if decision.worker_id not in self.fleet.workers:  # removed after the pick
+                    raise RetryableError("connect", f"worker {decision.worker_id} left the fleet")
                 response = await forward(request, attempt, self.upstream_getter(), self.config)
             except RetryableError as exc:
                 last_error = str(exc)

@@ -72,11 +72,20 @@ class _Target:
 
 
 def _parse_target(url: str) -> _Target:
-    parts = urlsplit(url)
+    """Raises ``ConnectError`` for a URL no worker can be reached at.
+
+    NOTE: a connect error, not a ``ValueError``: the caller retries a connect error on
+    another worker, and a worker that left the fleet mid-request leaves a bare path.
+    """
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError when out of range
+    except ValueError as exc:
+        raise ConnectError(f"unusable worker URL {url!r}: {exc}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"not an http(s) URL: {url!r}")
+        raise ConnectError(f"not an http(s) URL: {url!r}")
     use_tls = parts.scheme == "https"
-    port = parts.port or (443 if use_tls else 80)
+    port = port or (443 if use_tls else 80)
     path = parts.path or "/"
     if parts.query:
         path += "?" + parts.query
@@ -270,9 +279,9 @@ class UpstreamPool:
     async def post(self, url: str, body: bytes, *, deadline: float) -> UpstreamResponse:
         """Send ``body`` to ``url``; returns once the response head has arrived.
 
-        Raises ``ConnectError`` (connect failed, or ``connect_timeout_s`` passed),
-        ``TimeoutError`` (no head by ``deadline``, a ``loop.time()``),
-        ``DisconnectedError``, ``ProtocolError``.
+        Raises ``ConnectError`` (an unusable URL, connect failed, or
+        ``connect_timeout_s`` passed), ``TimeoutError`` (no head by ``deadline``, a
+        ``loop.time()``), ``DisconnectedError``, ``ProtocolError``.
         A kept-alive connection that turns out closed before any answer is retried
         once on a new one (the worker closed it while idle, so it never saw the request).
         """

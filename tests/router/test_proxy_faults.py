@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
 
 from router import upstream
+from router.admission import AdmissionQueue
 from router.app import FLEET, PROXY
 from tests.polling import wait_until
 from tests.router.fakes import (
@@ -75,6 +77,44 @@ def test_connect_error_before_first_byte_retries_on_another_worker() -> None:
                     assert resp.status == 200, await resp.text()
                     await resp.read()
             assert len(alive.bodies) == 4
+
+    run(main())
+
+
+def _remove_each_picked_worker(app: web.Application, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every admission removes the worker it picked from the fleet before the forward
+    (as a discovery update landing while the request waited in the queue would)."""
+    admit = AdmissionQueue.admit
+
+    async def admit_then_remove(queue: AdmissionQueue, try_pick: Any) -> Any:
+        decision = await admit(queue, try_pick)
+        app[FLEET].remove(decision.worker_id)
+        return decision
+
+    monkeypatch.setattr(AdmissionQueue, "admit", admit_then_remove)
+
+
+def test_worker_removed_after_the_pick_retries_on_another_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def main() -> None:
+        async with (
+            fake_workers(FakeBehaviour(), FakeBehaviour(), FakeBehaviour()) as workers,
+            running_router(router_config(workers)) as (app, url),
+            aiohttp.ClientSession() as session,
+        ):
+            _remove_each_picked_worker(app, monkeypatch)
+            for body in (STREAM_BODY, UNARY_BODY):
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    await resp.read()
+            assert sum(len(w.bodies) for w in workers) == 2  # none reached a removed one
+            assert len(app[FLEET].workers) == 1
+            async with session.post(url + "/v1/completions", json=UNARY_BODY) as resp:
+                assert resp.status == 502  # the last worker removed too: no one left
+                error = (await resp.json())["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert error["code"] == "upstream_unavailable"
 
     run(main())
 

@@ -197,6 +197,22 @@ def test_refused_connection_raises_connect_error() -> None:
     run(main())
 
 
+@pytest.mark.parametrize(
+    "url", ["/v1/completions", "ftp://127.0.0.1/x", "http:///x", "http://127.0.0.1:99999/x"]
+)
+def test_an_unusable_url_raises_connect_error(url: str) -> None:
+    """A worker removed from the fleet leaves the proxy with a bare path: that worker
+    cannot be reached (a retryable connect error), not a ValueError that ends in a 500."""
+
+    async def main() -> None:
+        async with pool() as upstream:
+            with pytest.raises(ConnectError):
+                await upstream.post(url, b"{}", deadline=_deadline())
+            assert upstream.num_connects == 0
+
+    run(main())
+
+
 def test_unread_body_pauses_the_socket_and_arrives_whole_once_read() -> None:
     chunk = b"x" * 65_536
     num_chunks = 64  # 4 MiB, far above the high-water mark
