@@ -8,13 +8,16 @@ import itertools
 import json
 from typing import cast
 
+import pytest
 from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
+from router import upstream
+from router.config import RouterConfig
 from router.scheduling.types import Decision
-from router.upstream import Attempt, _EventReader, _EventStreamResponse, _filter_batch
-from router.upstream_http import UpstreamResponse
+from router.upstream import Attempt, _EventReader, _EventStreamResponse, _filter_batch, _pump
+from router.upstream_http import ProtocolError, UpstreamResponse
 
 TOKEN = b'data: {"choices": [{"text": "a"}]}\n\n'
 USAGE = (
@@ -107,3 +110,58 @@ def test_the_sse_response_holds_its_headers_for_the_first_events() -> None:
     """Tripwire for an aiohttp upgrade: the switch the relay flips must still exist."""
     assert web.StreamResponse._send_headers_immediately is True  # aiohttp's default
     assert _EventStreamResponse._send_headers_immediately is False
+
+
+def test_one_byte_reads_cut_the_same_events() -> None:
+    """Every blank line then arrives split across two reads."""
+    writes, done = _relay([bytes([b]) for b in STREAM], _attempt(strip_usage=True))
+    assert done and b"".join(writes) == TOKEN + TOKEN + DONE
+    assert all(w.endswith(b"\n\n") for w in writes)
+
+
+def test_an_event_that_never_ends_is_bounded() -> None:
+    mib = 1024 * 1024
+    endless = [b"data: " + b"x" * mib] * (upstream._MAX_PENDING_BYTES // mib + 1)
+
+    async def main() -> None:
+        reader = _EventReader(cast(UpstreamResponse, ScriptedResponse([TOKEN, *endless])))
+        assert await reader.next_batch(0.0) == TOKEN
+        with pytest.raises(ProtocolError):
+            await reader.next_batch(0.0)
+        assert reader._num_pending <= upstream._MAX_PENDING_BYTES + mib
+
+    asyncio.run(main())
+
+
+class RecordingClient:
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    async def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        raise AssertionError("the stream has no [DONE]: the response must stay open")
+
+
+def test_a_stream_whose_event_never_ends_ends_with_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The relay reports the broken stream (its caller then writes the error event)."""
+    monkeypatch.setattr(upstream, "_MAX_PENDING_BYTES", 1000)
+    pieces = [b"data: " + b"x" * 100] * 20
+
+    async def main() -> str | None:
+        events = _EventReader(cast(UpstreamResponse, ScriptedResponse(pieces)))
+        client = RecordingClient()
+        deadline = asyncio.get_running_loop().time() + 5.0
+        config = RouterConfig(workers=[])
+        error = await _pump(
+            cast(web.StreamResponse, client), events, _attempt(True), config, deadline, TOKEN
+        )
+        assert client.writes == [TOKEN]
+        return error
+
+    error = asyncio.run(main())
+    assert error is not None and "broke" in error and "1000" in error
+    assert pieces  # it stopped reading at the bound, not at the end of the body
