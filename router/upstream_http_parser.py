@@ -2,8 +2,10 @@
 
 Feed it the bytes of one connection as they arrive; it returns the decoded body bytes
 and keeps the head's fields. A body is framed as RFC 9112 section 6.3 says for a
-response to ``POST``: no body for 1xx (skipped), 204 and 304; ``Transfer-Encoding``
-ending in ``chunked``; else ``Content-Length``; else until the connection closes.
+response to ``POST``: no body for 1xx (skipped), 204 and 304; ``Transfer-Encoding:
+chunked`` (any other transfer coding is a ``ProtocolError``; with a ``Content-Length``
+too, chunked wins and the connection is not reused); else ``Content-Length``; else
+until the connection closes.
 
 Invariants: ``feed`` consumes every byte it is given (bytes it cannot use yet wait in
 ``_buffer``, which is bounded: ``_MAX_HEAD_BYTES`` for the head, ``_MAX_LINE_BYTES`` for
@@ -178,7 +180,7 @@ class ResponseParser:
         status = int(code)
         keep_alive = version != b"HTTP/1.0"
         length: int | None = None
-        transfer_coding: bytes | None = None
+        transfer_codings: list[bytes] | None = None  # every Transfer-Encoding, in order
         for line in lines[1:]:
             name, colon, value = line.partition(b":")
             if not colon or not name or name != name.strip():
@@ -190,7 +192,8 @@ class ResponseParser:
                     raise ProtocolError(f"bad Content-Length: {value[:40]!r}")
                 length = int(value)
             elif name == b"transfer-encoding":
-                transfer_coding = value.rpartition(b",")[2].strip().lower()
+                codings = [c.strip().lower() for c in value.split(b",") if c.strip()]
+                transfer_codings = [*(transfer_codings or []), *codings]
             elif name == b"connection":
                 tokens = {t.strip() for t in value.lower().split(b",")}
                 keep_alive = b"close" not in tokens and (keep_alive or b"keep-alive" in tokens)
@@ -201,10 +204,14 @@ class ResponseParser:
         if 100 <= status < 200:  # interim response: the real one follows
             self.content_type = None
             return
+        if transfer_codings is not None:
+            _check_transfer_codings(transfer_codings)
+            if length is not None:  # chunked wins; the worker's framing is suspect
+                self.keep_alive = False
         if status in (204, 304):
             self._state = _DONE
-        elif transfer_coding is not None:
-            self._state = _CHUNK_SIZE if transfer_coding == b"chunked" else _UNTIL_CLOSE
+        elif transfer_codings is not None:
+            self._state = _CHUNK_SIZE
         elif length is not None:
             self._remaining = length
             self._state = _LENGTH if length else _DONE
@@ -212,6 +219,17 @@ class ResponseParser:
             self._state = _UNTIL_CLOSE
         if self._state == _UNTIL_CLOSE:
             self.keep_alive = False
+
+
+def _check_transfer_codings(codings: list[bytes]) -> None:
+    """Only plain ``chunked`` is decoded; any other coding (``gzip, chunked``) would
+    pass an undecoded body through, so it is a protocol error.
+
+    NOTE: the router never sends ``TE``, so a worker has no reason to use another.
+    """
+    if codings != [b"chunked"]:
+        shown = b", ".join(codings)[:60]
+        raise ProtocolError(f"unsupported Transfer-Encoding: {shown!r}")
 
 
 def _chunk_size(line: bytes) -> int:

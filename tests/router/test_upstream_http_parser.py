@@ -70,6 +70,14 @@ def test_keep_alive_follows_version_and_connection_header(
     assert parser.keep_alive is keep_alive
 
 
+def test_content_length_with_chunked_decodes_chunked_and_is_not_reused() -> None:
+    """Both framings: a smuggling-shaped answer; chunked wins, the connection is closed."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: Chunked\r\n\r\n"
+    parser, body = _parse(head + b"2\r\nab\r\n0\r\n\r\n")
+    assert body == b"ab" and parser.finished
+    assert not parser.keep_alive
+
+
 def test_interim_1xx_response_is_skipped() -> None:
     response = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
     parser, body = _parse(response)
@@ -94,6 +102,11 @@ def test_bytes_after_the_response_make_the_connection_not_reusable() -> None:
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-1\r\n",
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabXY",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n2\r\nab\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, chunked\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nnot decoded",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding:\r\n\r\n",
     ],
 )
 def test_malformed_responses_raise_protocol_error(response: bytes) -> None:
