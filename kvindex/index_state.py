@@ -321,6 +321,8 @@ class IndexState:
                 _require(id(record) in in_heap, f"slot {slot}: record without expiry")
                 holes = record.holes or set()
                 _require(holes <= record.blocks, f"slot {slot}: hole outside the record")
+            problem = predictions.block_map_problem(slot)
+            _require(problem is None, f"slot {slot}: {problem}")
         _require(mask == predictions.mask, "prediction mask")
         _require(
             len(predictions.slot_to_predictions) == len(self._slot_to_state), "prediction slots"

@@ -21,6 +21,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from kvindex import index_predictions
 from kvindex.hashing import BlockHash, Namespace, hash_prompt
 from kvindex.index import PrefixIndex, WorkerId
 from kvindex.protocol import AllBlocksCleared, BlockRemoved, BlockStored
@@ -46,6 +47,7 @@ STEPS_PER_RUN = 50
 RUNS_PER_BLOCK_SIZE = 200
 MIN_STEPS_PER_BLOCK_SIZE = 4000  # checked: at least 8,000 steps in all
 STEPS_RUN: Counter[int] = Counter()  # block size -> steps checked (invariant calls)
+MAP_STEPS_RUN: Counter[int] = Counter()  # block size -> steps checked with a block map
 
 workers = st.sampled_from(WORKERS)
 sequence_ids = st.integers(0, 3)
@@ -288,6 +290,8 @@ class IndexMachine(RuleBasedStateMachine):
         stats = self.index.stats()
         assert stats.num_blocks == self.reference.num_blocks()
         assert stats.num_predicted == self.reference.num_predicted()
+        if any(m is not None for m in self.index._predictions.slot_to_block_map):
+            MAP_STEPS_RUN[self.block_size] += 1
         assert stats.num_workers == len(self.reference.namespaces)
         assert stats.events_applied == self.reference.events_applied
         assert stats.errors_by_kind == dict(self.reference.errors)
@@ -295,18 +299,38 @@ class IndexMachine(RuleBasedStateMachine):
             assert self.index.num_blocks_of(worker) == self.reference.num_blocks_of(worker)
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
-def test_index_matches_reference(block_size: int) -> None:
+def run_machine(block_size: int, runs: int) -> None:
     machine = type(f"IndexMachineBs{block_size}", (IndexMachine,), {"block_size": block_size})
-    STEPS_RUN[block_size] = 0
     run_state_machine_as_test(
         machine,
         settings=settings(
-            max_examples=RUNS_PER_BLOCK_SIZE,
+            max_examples=runs,
             stateful_step_count=STEPS_PER_RUN,
             deadline=None,
             derandomize=True,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
         ),
     )
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_index_matches_reference(block_size: int) -> None:
+    STEPS_RUN[block_size] = 0
+    run_machine(block_size, RUNS_PER_BLOCK_SIZE)
     assert STEPS_RUN[block_size] >= MIN_STEPS_PER_BLOCK_SIZE, STEPS_RUN
+
+
+@pytest.mark.parametrize("max_records_without_map", [0, 1])
+def test_index_matches_reference_with_block_maps(
+    monkeypatch: pytest.MonkeyPatch, max_records_without_map: int
+) -> None:
+    """The same machine with a prediction block map on any slot with more live records
+    than ``max_records_without_map`` (and compacted at each add that outgrows its
+    records): the map path of ``mask_of``, ``punch`` and expiry, its building from
+    records with holes and its dropping must agree with the reference too."""
+    monkeypatch.setattr(index_predictions, "MAX_RECORDS_WITHOUT_MAP", max_records_without_map)
+    monkeypatch.setattr(index_predictions, "MAP_SLACK_ENTRIES", 0)
+    STEPS_RUN[16] = MAP_STEPS_RUN[16] = 0
+    run_machine(16, RUNS_PER_BLOCK_SIZE // 2)
+    assert STEPS_RUN[16] >= MIN_STEPS_PER_BLOCK_SIZE // 2, STEPS_RUN
+    assert MAP_STEPS_RUN[16] >= 100, (MAP_STEPS_RUN, STEPS_RUN)  # ~250-400 seen with 1
