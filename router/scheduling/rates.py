@@ -73,8 +73,8 @@ class WorkerRates:
         """Expected TTFT in seconds for this much prefill work and decode batch."""
         return (
             self.theta[0]
-            + self.theta[1] * (prefill_tokens / _TOKEN_SCALE)
-            + self.theta[2] * (num_running / _RUNNING_SCALE)
+            + (self.theta[1] / _TOKEN_SCALE) * prefill_tokens
+            + (self.theta[2] / _RUNNING_SCALE) * num_running
         )
 
 

@@ -142,7 +142,10 @@ class CacheAwarePolicy(BasePolicy):
         max_hit_tokens = num_prompt_tokens - 1  # vLLM always computes the last token
         learner = ctx.rates
         worker_to_rates = self.own_rates(learner)
-        shared_rates: WorkerRates | None = None  # what every other worker reads
+        shared_rates = learner.fleet_rates()  # what every other worker reads
+        # the shared rates' coefficients, per token and per running request
+        theta_0, theta_1, theta_2 = shared_rates.theta
+        per_token, per_running = theta_1 / TOKEN_SCALE, theta_2 / RUNNING_SCALE
         costs = self.costs
         busy = self.busy
         # rho(w) = scaled(w) * busy_scale, capped (RecentUtilization.utilization, inlined)
@@ -193,10 +196,10 @@ class CacheAwarePolicy(BasePolicy):
                         overlap, block_size, num_prompt_tokens, costs
                     )
                 uncached = memo
-            rates = worker_to_rates.get(worker_id)
-            if rates is None:
-                rates = shared_rates = shared_rates or learner.fleet_rates()
-            theta_0, theta_1, theta_2 = rates.theta
+            if worker_to_rates:  # some worker reads its own rates
+                rates = worker_to_rates.get(worker_id) or shared_rates
+                theta_0, theta_1, theta_2 = rates.theta
+                per_token, per_running = theta_1 / token_scale, theta_2 / running_scale
             rho = scaled * busy_scale
             if rho > max_rho:
                 rho = max_rho
@@ -207,7 +210,7 @@ class CacheAwarePolicy(BasePolicy):
             num_inflight = load.num_inflight
             if num_inflight > running:  # max(), without the call
                 running = num_inflight
-            append(theta_0 + theta_1 * (work / token_scale) + theta_2 * (running / running_scale))
+            append(theta_0 + per_token * work + per_running * running)
         return scores
 
     def _sample(self, ctx: PickContext, scores: list[float]) -> WorkerView:
