@@ -104,11 +104,7 @@ class RateLearner:
     def rates_of(self, worker_id: WorkerId) -> WorkerRates:
         """The worker's current rates (the shared start point, read-only, if unseen)."""
         rates = self.worker_to_rates.get(worker_id)
-        if rates is not None:
-            return rates
-        if self._prior_rates is None:
-            self._prior_rates = self._fresh()
-        return self._prior_rates
+        return rates if rates is not None else self.fleet_rates()
 
     @property
     def num_observations(self) -> int:

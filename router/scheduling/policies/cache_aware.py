@@ -16,8 +16,8 @@ NOTE: without the added-work term a burst of requests on one new long prefix is 
 wash for TTFT (the second request waits for the first's prefill either way) and the
 greedy spreads the prefix's prefill over every worker; with the default 0.5 the burst
 lands together (predicted blocks) until the queue there outweighs the saved prefill,
-then spills. A shared first block alone is worth only ``1.5 x block_size`` tokens, so
-queued work still dominates (the Mooncake case).
+then spills. A shared first block alone saves only ``block_size`` tokens of weighted
+prefill, so queued work and the busy share still dominate (the Mooncake case).
 
 Lowest wins, ties at random. With ``temperature`` > 0 (seconds) the worker is sampled
 with probability proportional to ``exp(-(ttft - best) / temperature)`` instead, which
