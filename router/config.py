@@ -1,9 +1,11 @@
 """Router configuration: one table of options, read from flags, env vars and a file.
 
 Precedence, highest first: command-line flags > ``KVROUTE_*`` env vars > the config file
-(YAML or TOML, ``--config``) > defaults. Every option is declared once in ``OPTIONS``
-with its type, default and help text; ``kvroute router --help`` prints that help, the
-env var name and the file key.
+(YAML or TOML, ``--config``) > defaults. Every option is declared once, as a field of
+``RouterConfig`` made by ``option()``: its annotation gives the type, its metadata the help
+text and bounds. ``OPTIONS``, the flags, env vars, file keys and ``kvroute router --help``
+(help, env var name, default) all derive from that declaration. A value that does not
+convert (``yes``/``no`` booleans included) or is out of bounds is an error naming the option.
 
 Worker specs (``--worker``) read ``URL[,agent=URL][,id=NAME][,max_concurrency=N]``.
 """
@@ -14,8 +16,8 @@ import argparse
 import json
 import os
 import tomllib
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -76,117 +78,152 @@ class WorkerSpec:
         )
 
 
+def option(
+    default: Any = None,
+    help: str = "",
+    *,
+    factory: Callable[[], Any] | None = None,
+    minimum: float | None = None,
+) -> Any:
+    """A ``RouterConfig`` field that is also a command-line flag, an env var and a file key.
+
+    The option's kind (how text is converted) follows from the field's annotation;
+    ``minimum`` rejects smaller numbers at load time.
+    """
+    metadata = {"help": help, "minimum": minimum}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass(slots=True)
 class RouterConfig:
-    """Everything the router app needs; see ``OPTIONS`` for the meaning of each field."""
+    """Everything the router app needs. Each field is one option (see ``option``).
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    policy: str = "cache_aware"
-    policy_params: dict[str, Any] = field(default_factory=dict)
-    workers: list[WorkerSpec] = field(default_factory=list)
-    workers_file: str | None = None
-    discovery_interval_s: float = 5.0
-    tokenizers: dict[str, str] = field(default_factory=dict)
-    default_tokenizer: str | None = None
-    block_size: int | None = None
-    max_concurrency: int | None = None
-    agent_token: str | None = None
-    max_body_bytes: int = 8 * 1024 * 1024
-    queue_size: int = 256
-    queue_timeout_s: float = 30.0
-    max_attempts: int = 3
-    connect_timeout_s: float = 3.0
-    first_byte_timeout_s: float = 300.0
-    idle_timeout_s: float = 120.0
-    total_timeout_s: float = 1800.0
-    health_interval_s: float = 2.0
-    health_timeout_s: float = 2.0
-    unhealthy_after: int = 2
-    sync_timeout_s: float = 10.0
-    prediction_ttl_s: float = 2.0
-    session_header: str = "x-session-id"
-    salt_by_tenant: bool = False
-    log_level: str = "info"
+    NOTE: the field is the single declaration: its annotation gives the kind, its
+    metadata the help text; flags, env vars, file keys and ``--help`` derive from it.
+    """
+
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8000, "port to listen on (0: pick a free one)", minimum=0)
+    policy: str = option("cache_aware", "scheduling policy: {policies}")
+    policy_params: dict[str, Any] = option(
+        factory=dict,
+        help="policy parameters as a JSON object, e.g. '{\"temperature\": 0.1}'",
+    )
+    workers: list[WorkerSpec] = option(
+        factory=list,
+        help="a worker: URL[,agent=URL][,id=NAME][,max_concurrency=N]; "
+        "repeat the flag, or comma-free ';'-separated in env",
+    )
+    workers_file: str | None = option(
+        None,
+        "YAML/JSON file with a list of workers (url, agent_url, id, "
+        "max_concurrency); re-read when it changes",
+    )
+    discovery_interval_s: float = option(
+        5.0, "seconds between checks of --workers-file", minimum=0.01
+    )
+    tokenizers: dict[str, str] = option(
+        factory=dict,
+        help="tokenizer folder of a model: MODEL=DIR (repeatable); "
+        "shipped models (kvroute-tiny, kvroute-small) need none",
+    )
+    default_tokenizer: str | None = option(
+        None, "tokenizer folder for models without one (default: the shipped tiny model's)"
+    )
+    block_size: int | None = option(
+        None,
+        "KV block size to assume when a worker does not tell "
+        "(agent /v1/info, vLLM /metrics, first event)",
+        minimum=1,
+    )
+    max_concurrency: int | None = option(
+        None, "default cap on this router's in-flight requests per worker", minimum=1
+    )
+    agent_token: str | None = option(None, "bearer token for the workers' agent streams")
+    max_body_bytes: int = option(
+        8 * 1024 * 1024, "largest request body accepted (413 beyond)", minimum=1
+    )
+    queue_size: int = option(
+        256, "requests that may wait when every worker is at its cap (429 beyond)", minimum=0
+    )
+    queue_timeout_s: float = option(30.0, "longest wait in that queue before 429", minimum=0)
+    max_attempts: int = option(
+        3, "workers tried per request on connect errors / 5xx before the first byte", minimum=1
+    )
+    connect_timeout_s: float = option(3.0, "upstream connect timeout", minimum=0.001)
+    first_byte_timeout_s: float = option(
+        300.0, "upstream timeout until the first response chunk", minimum=0.001
+    )
+    idle_timeout_s: float = option(
+        120.0, "upstream timeout between two streamed chunks", minimum=0.001
+    )
+    total_timeout_s: float = option(1800.0, "upstream timeout for a whole request", minimum=0.001)
+    health_interval_s: float = option(2.0, "seconds between worker health checks", minimum=0.01)
+    health_timeout_s: float = option(2.0, "timeout of one health check", minimum=0.001)
+    unhealthy_after: int = option(
+        2, "failed health checks in a row before a worker is out", minimum=1
+    )
+    sync_timeout_s: float = option(
+        10.0,
+        "longest wait for a new worker's index snapshot before routing to it anyway",
+        minimum=0,
+    )
+    prediction_ttl_s: float = option(
+        2.0, "seconds a routed request's blocks count as predicted", minimum=0
+    )
+    session_header: str = option(
+        "x-session-id", "header carrying the session key (else the 'user' field)"
+    )
+    salt_by_tenant: bool = option(False, "set cache_salt from the authenticated tenant")
+    log_level: str = option("info", "logging level")
 
 
 @dataclass(frozen=True, slots=True)
 class Option:
+    """One option as the command line, env and files see it (derived from a field)."""
+
     name: str  # RouterConfig field; flag --name-with-dashes; env KVROUTE_NAME
     kind: str  # str | int | float | bool | json | workers | mapping
     help: str
+    minimum: float | None = None
 
 
-OPTIONS: tuple[Option, ...] = (
-    Option("host", "str", "address to listen on"),
-    Option("port", "int", "port to listen on (0: pick a free one)"),
-    Option(
-        "policy",
-        "str",
-        "scheduling policy: random, round_robin, least_load, session, approx_prefix, cache_aware",
-    ),
-    Option(
-        "policy_params", "json", "policy parameters as a JSON object, e.g. '{\"temperature\": 0.1}'"
-    ),
-    Option(
-        "workers",
-        "workers",
-        "a worker: URL[,agent=URL][,id=NAME][,max_concurrency=N]; "
-        "repeat the flag, or comma-free ';'-separated in env",
-    ),
-    Option(
-        "workers_file",
-        "str",
-        "YAML/JSON file with a list of workers (url, agent_url, id, "
-        "max_concurrency); re-read when it changes",
-    ),
-    Option("discovery_interval_s", "float", "seconds between checks of --workers-file"),
-    Option(
-        "tokenizers",
-        "mapping",
-        "tokenizer folder of a model: MODEL=DIR (repeatable); "
-        "shipped models (kvroute-tiny, kvroute-small) need none",
-    ),
-    Option(
-        "default_tokenizer",
-        "str",
-        "tokenizer folder for models without one (default: the shipped tiny model's)",
-    ),
-    Option(
-        "block_size",
-        "int",
-        "KV block size to assume when a worker does not tell "
-        "(agent /v1/info, vLLM /metrics, first event)",
-    ),
-    Option("max_concurrency", "int", "default cap on this router's in-flight requests per worker"),
-    Option("agent_token", "str", "bearer token for the workers' agent streams"),
-    Option("max_body_bytes", "int", "largest request body accepted (413 beyond)"),
-    Option(
-        "queue_size", "int", "requests that may wait when every worker is at its cap (429 beyond)"
-    ),
-    Option("queue_timeout_s", "float", "longest wait in that queue before 429"),
-    Option(
-        "max_attempts",
-        "int",
-        "workers tried per request on connect errors / 5xx before the first byte",
-    ),
-    Option("connect_timeout_s", "float", "upstream connect timeout"),
-    Option("first_byte_timeout_s", "float", "upstream timeout until the first response chunk"),
-    Option("idle_timeout_s", "float", "upstream timeout between two streamed chunks"),
-    Option("total_timeout_s", "float", "upstream timeout for a whole request"),
-    Option("health_interval_s", "float", "seconds between worker health checks"),
-    Option("health_timeout_s", "float", "timeout of one health check"),
-    Option("unhealthy_after", "int", "failed health checks in a row before a worker is out"),
-    Option(
-        "sync_timeout_s",
-        "float",
-        "longest wait for a new worker's index snapshot before routing to it anyway",
-    ),
-    Option("prediction_ttl_s", "float", "seconds a routed request's blocks count as predicted"),
-    Option("session_header", "str", "header carrying the session key (else the 'user' field)"),
-    Option("salt_by_tenant", "bool", "set cache_salt from the authenticated tenant"),
-    Option("log_level", "str", "logging level"),
-)
+_KIND_OF_ANNOTATION = {
+    "str": "str",
+    "int": "int",
+    "float": "float",
+    "bool": "bool",
+    "dict[str, Any]": "json",
+    "list[WorkerSpec]": "workers",
+    "dict[str, str]": "mapping",
+}
+
+
+def _option_of(config_field: Field[Any]) -> Option:
+    annotation = str(config_field.type).removesuffix(" | None")
+    kind = _KIND_OF_ANNOTATION.get(annotation)
+    if kind is None:
+        raise TypeError(f"RouterConfig.{config_field.name}: no option kind for {annotation!r}")
+    return Option(
+        config_field.name,
+        kind,
+        config_field.metadata["help"],
+        config_field.metadata["minimum"],
+    )
+
+
+OPTIONS: tuple[Option, ...] = tuple(_option_of(f) for f in fields(RouterConfig))
+_OPTION_BY_NAME = {opt.name: opt for opt in OPTIONS}
+
+
+def _help_of(opt: Option) -> str:
+    if "{policies}" not in opt.help:
+        return opt.help
+    from router.scheduling.registry import POLICIES
+
+    return opt.help.format(policies=", ".join(POLICIES))
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -199,7 +236,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
             flag = "--worker"
         default = getattr(defaults, opt.name)
         shown = default if opt.kind not in ("workers", "mapping", "json") else None
-        text = f"{opt.help} [env {ENV_PREFIX}{opt.name.upper()}; default {shown}]"
+        text = f"{_help_of(opt)} [env {ENV_PREFIX}{opt.name.upper()}; default {shown}]"
+        text = text.replace("%", "%%")
         if opt.kind in ("workers", "mapping"):
             parser.add_argument(
                 flag,
@@ -241,16 +279,23 @@ def load_config(
         if opt.name in flag_values:
             merged[opt.name] = flag_values[opt.name]
     config = RouterConfig()
-    known = {f.name for f in fields(RouterConfig)}
     for name, value in merged.items():
-        if name not in known:
+        declared = _OPTION_BY_NAME.get(name)
+        if declared is None:
             raise ValueError(f"unknown config key {name!r}")
-        kind = next(opt.kind for opt in OPTIONS if opt.name == name)
         try:
-            setattr(config, name, _convert(kind, value))
+            setattr(config, name, _convert(declared, value))
         except (TypeError, ValueError, KeyError) as exc:
             raise ValueError(f"bad value for {name}: {value!r} ({exc})") from None
+    _check_policy(config)
     return config
+
+
+def _check_policy(config: RouterConfig) -> None:
+    """An unknown policy or parameter is a config error now, not at the first request."""
+    from router.scheduling.registry import create_policy
+
+    create_policy(config.policy, config.policy_params)
 
 
 def _read_file(path: Path) -> dict[str, Any]:
@@ -263,19 +308,37 @@ def _read_file(path: Path) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
-def _convert(kind: str, value: Any) -> Any:
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def _convert(opt: Option, value: Any) -> Any:
     if value is None:
         return None
+    converted = _convert_kind(opt.kind, value)
+    if opt.minimum is not None and converted < opt.minimum:
+        raise ValueError(f"must be at least {opt.minimum:g}")
+    return converted
+
+
+def _convert_kind(kind: str, value: Any) -> Any:
     if kind == "str":
         return str(value)
     if kind == "int":
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError("expected an integer")
         return int(value)
     if kind == "float":
+        if isinstance(value, bool):
+            raise ValueError("expected a number")
         return float(value)
     if kind == "bool":
-        if isinstance(value, str):
-            return value.strip().lower() in ("1", "true", "yes", "on")
-        return bool(value)
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text not in _TRUE | _FALSE:
+            raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
+        return text in _TRUE
     if kind == "json":
         parsed = json.loads(value) if isinstance(value, str) else value
         if not isinstance(parsed, dict):
