@@ -1,0 +1,37 @@
+"""Fault injection on a real local fleet (separate engine, agent and router processes).
+
+Each scenario hurts one part under load; what every client saw is classified by
+``loadtest.faults``. Accepted requests are never lost or left hanging, the router's
+slots and queue return to zero, and its memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from loadtest.faults import FAULTS, LoadConfig, run_scenario
+
+pytestmark = pytest.mark.slow
+
+LOAD = LoadConfig(num_requests=48, concurrency=6, request_timeout_s=45.0, fault_after=12)
+# Faults the router must notice (worker out of the routable set), with a deadline.
+DETECTED_WITHIN_S = {"kill_worker": 10.0, "restart_worker": 10.0, "worker_list_change": 5.0}
+
+
+@pytest.mark.parametrize("name", sorted(FAULTS))
+def test_no_accepted_request_is_lost(name: str) -> None:
+    result = asyncio.run(run_scenario(name, LOAD, [], speedup=1.0))
+    assert sum(result.outcomes.values()) == LOAD.num_requests
+    assert result.outcomes.get("lost", 0) == 0, result
+    assert result.outcomes.get("hung", 0) == 0, result
+    assert result.slots_back_to_zero, result
+    assert result.rss_after_mb - result.rss_before_mb < 64, result
+    if name in DETECTED_WITHIN_S:
+        assert result.times.detect_s is not None, result
+        assert result.times.detect_s < DETECTED_WITHIN_S[name], result
+    if name in ("restart_worker", "worker_list_change", "kill_agent"):
+        assert result.times.recover_s is not None, result
+    if name == "chaos_connections":
+        assert result.chaos_cuts > 0, result
