@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "loadtest": ("loadtest.compare", "run one workload against several policies and report"),
     "sweep": ("loadtest.sweep", "sweep offered load x policy on a simulated Mooncake replay"),
     "faults": ("loadtest.faults", "what clients see while a worker, an agent or a link fails"),
+    "soak": ("loadtest.soak", "a long bounded run with faults; the router's footprint over time"),
     "router": ("router.server_cli", "run the cache-aware OpenAI-compatible router"),
     "agent": ("worker.agent.cli", "run the KV agent as a sidecar next to a running engine"),
 }

@@ -35,3 +35,20 @@ def test_no_accepted_request_is_lost(name: str) -> None:
         assert result.times.recover_s is not None, result
     if name == "chaos_connections":
         assert result.chaos_cuts > 0, result
+
+
+def test_soak_rounds_rotate_faults_and_sample_the_router() -> None:
+    """A short soak: every fault of the rotation runs, nothing is lost, samples are taken."""
+    import argparse
+
+    from loadtest.soak import ROTATION, flatness, soak
+
+    args = argparse.Namespace(
+        seconds=120.0, rounds=6, requests_per_round=24, concurrency=6, speedup=4.0, router_arg=[]
+    )
+    report = asyncio.run(soak(args))
+    assert set(report.faults) == set(ROTATION)
+    assert report.outcomes.get("lost", 0) == report.outcomes.get("hung", 0) == 0
+    assert [s.round for s in report.samples] == list(range(6))
+    assert all(s.rss_mb > 0 and s.open_fds > 0 for s in report.samples)
+    assert set(flatness(report.samples)) >= {"rss_mb", "open_fds"}
