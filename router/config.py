@@ -34,6 +34,8 @@ class WorkerSpec:
     agent_url: str | None = None
     worker_id: str = ""
     max_concurrency: int | None = None
+    # Metadata from discovery (e.g. model, gpu-kind from Kubernetes labels), sorted pairs.
+    labels: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", self.url.rstrip("/"))
@@ -120,6 +122,22 @@ class RouterConfig:
         None,
         "YAML/JSON file with a list of workers (url, agent_url, id, "
         "max_concurrency); re-read when it changes",
+    )
+    k8s_label_selector: str | None = option(
+        None,
+        "follow the EndpointSlices with this label selector (Kubernetes discovery), "
+        "e.g. kubernetes.io/service-name=kvroute-workers",
+    )
+    k8s_namespace: str | None = option(
+        None, "namespace of the worker EndpointSlices (default: the router pod's own)"
+    )
+    k8s_endpointslice_api: str = option(
+        "discovery.k8s.io/v1",
+        "EndpointSlice API version: discovery.k8s.io/v1, or discovery.k8s.io/v1beta1 "
+        "before Kubernetes 1.21",
+    )
+    k8s_kubeconfig: str | None = option(
+        None, "kubeconfig file for running outside a cluster (default: in-cluster config)"
     )
     discovery_interval_s: float = option(
         5.0, "seconds between checks of --workers-file", minimum=0.01

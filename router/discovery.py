@@ -2,7 +2,7 @@
 
 A discovery source yields the *complete* current worker list every time it changes; the
 fleet diffs it against what it has (add new, drop gone). Kubernetes EndpointSlices plug
-in later behind the same interface.
+in behind the same interface (``router.discovery_k8s``, chosen by ``--k8s-label-selector``).
 """
 
 from __future__ import annotations
@@ -92,8 +92,30 @@ def read_workers_file(path: Path) -> list[WorkerSpec]:
 
 
 def discovery_from_config(config: RouterConfig) -> Discovery:
+    if config.k8s_label_selector:
+        from router.discovery_k8s import KubernetesDiscovery, KubernetesSettings
+
+        return KubernetesDiscovery(
+            KubernetesSettings(
+                namespace=config.k8s_namespace or _pod_namespace(),
+                label_selector=config.k8s_label_selector,
+                api_version=config.k8s_endpointslice_api,
+                kubeconfig=config.k8s_kubeconfig,
+            )
+        )
     if config.workers_file:
         return FileDiscovery(
             Path(config.workers_file), config.discovery_interval_s, extra=config.workers
         )
     return StaticDiscovery(config.workers)
+
+
+_POD_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def _pod_namespace() -> str:
+    """The namespace the router's pod runs in (its service account says), else default."""
+    try:
+        return _POD_NAMESPACE_FILE.read_text().strip() or "default"
+    except OSError:
+        return "default"
