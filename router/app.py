@@ -28,6 +28,7 @@ from router.config import RouterConfig
 from router.discovery import Discovery, discovery_from_config
 from router.errors import ApiError, error_middleware
 from router.fleet import Fleet, TokenizerRegistry
+from router.lifecycle import Lifecycle
 from router.metrics import RouterMetrics
 from router.proxy import Proxy
 from router.scheduling.registry import create_policy
@@ -47,6 +48,7 @@ DISCOVERY = web.AppKey("discovery", Discovery)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 UPSTREAM = web.AppKey("upstream", UpstreamPool)
 SUBSCRIPTIONS = web.AppKey("subscriptions", SubscriptionManager)
+LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
 
 _STARTED_AT = int(time.time())
 
@@ -96,6 +98,7 @@ def create_app(
     app[SCHEDULER] = scheduler
     app[METRICS] = metrics
     app[PROXY] = proxy
+    app[LIFECYCLE] = Lifecycle()
     app[DISCOVERY] = discovery or discovery_from_config(config)
     app.cleanup_ctx.extend(
         [_client_session, _upstream_pool, _subscriptions, _discovery, _health_checker]
@@ -117,11 +120,13 @@ def _add_routes(app: web.Application) -> None:
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
-    return await request.app[PROXY].handle(request, "completion")
+    with request.app[LIFECYCLE].track():
+        return await request.app[PROXY].handle(request, "completion")
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
-    return await request.app[PROXY].handle(request, "chat")
+    with request.app[LIFECYCLE].track():
+        return await request.app[PROXY].handle(request, "chat")
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -138,7 +143,9 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _ready(request: web.Request) -> web.Response:
-    """200 once at least one worker is routable."""
+    """200 once at least one worker is routable, until the router starts draining."""
+    if request.app[LIFECYCLE].draining:
+        raise ApiError(503, "The router is shutting down.", code="draining")
     views = request.app[FLEET].views()
     num_healthy = sum(1 for v in views if v.healthy)
     if num_healthy == 0:

@@ -195,6 +195,11 @@ class RouterConfig:
         "x-session-id", "header carrying the session key (else the 'user' field)"
     )
     salt_by_tenant: bool = option(False, "set cache_salt from the authenticated tenant")
+    drain_timeout_s: float = option(
+        30.0,
+        "on SIGTERM, seconds in-flight requests may take to finish (/ready is 503 meanwhile)",
+        minimum=0,
+    )
     log_level: str = option("info", "logging level")
 
 

@@ -1,7 +1,8 @@
 """``kvroute router``: run the cache-aware router (aiohttp on uvloop).
 
 Options come from flags, ``KVROUTE_*`` env vars and a YAML/TOML ``--config`` file, in
-that order of precedence (see ``router.config``). Stops cleanly on SIGINT/SIGTERM.
+that order of precedence (see ``router.config``). On SIGINT/SIGTERM it drains: ``/ready``
+turns 503 and in-flight requests get up to ``drain_timeout_s`` to finish before it stops.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 
 import uvloop
 
-from router.app import create_app, start_server
+from router.app import LIFECYCLE, create_app, start_server
 from router.config import RouterConfig, configure_parser, load_config
 
 EPILOG = """\
@@ -60,5 +61,6 @@ async def serve(config: RouterConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
+        await app[LIFECYCLE].drain(config.drain_timeout_s)
     finally:
         await runner.cleanup()
