@@ -22,4 +22,4 @@ WORKDIR /home/kvroute
 USER 10001:10001
 EXPOSE 8000 8100
 ENTRYPOINT ["kvroute"]
-CMD ["worker", "--engine", "vllm", "--model", "tiny", "--help"]
+CMD ["worker", "--engine", "vllm", "--model", "tiny", "--host", "0.0.0.0"]

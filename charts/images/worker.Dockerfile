@@ -20,4 +20,4 @@ WORKDIR /home/kvroute
 USER 10001:10001
 EXPOSE 8000 8100
 ENTRYPOINT ["kvroute"]
-CMD ["worker", "--engine", "vllm", "--help"]
+CMD ["worker", "--help"]
