@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -65,6 +66,10 @@ class RequestResult:
 
 @dataclass(frozen=True, slots=True)
 class ClientConfig:
+    """``base_url`` is the router; with ``replica_urls`` (every replica, ``base_url``
+    included), each request goes to one replica chosen by a hash of its id, as a load
+    balancer in front of several routers would spread them."""
+
     base_url: str
     model: str
     max_duration_s: float = 600.0
@@ -73,11 +78,18 @@ class ClientConfig:
     progress: bool = True
     label: str = ""
     extra_body: dict[str, object] = field(default_factory=dict)
+    replica_urls: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        host = urlsplit(self.base_url).hostname
-        if host not in LOOPBACK_HOSTS:
-            raise ValueError(f"load tests target loopback addresses only, got {self.base_url!r}")
+        for url in (self.base_url, *self.replica_urls):
+            if urlsplit(url).hostname not in LOOPBACK_HOSTS:
+                raise ValueError(f"load tests target loopback addresses only, got {url!r}")
+
+    def url_for(self, request_id: str) -> str:
+        if not self.replica_urls:
+            return self.base_url
+        replica = zlib.crc32(request_id.encode()) % len(self.replica_urls)
+        return self.replica_urls[replica]
 
 
 class _Chunk(msgspec.Struct):
@@ -117,7 +129,7 @@ async def send_one(
     headers = {"content-type": "application/json"}
     if request.session_key is not None:
         headers[SESSION_HEADER] = request.session_key
-    url = config.base_url.rstrip("/") + "/v1/completions"
+    url = config.url_for(request.request_id).rstrip("/") + "/v1/completions"
     start = time.monotonic()
     result.sent_s = start - run_start
     try:

@@ -83,6 +83,7 @@ def run_policies(
             request_timeout_s=config.request_timeout_s,
             progress=config.progress,
             label=policy,
+            replica_urls=tuple(fleet.router_urls) if len(fleet.router_urls) > 1 else (),
         )
         before = fleet.engine_counters()
         try:

@@ -168,6 +168,7 @@ class FleetConfig:
     router_args: list[str] = field(default_factory=list)
     startup_timeout_s: float = 60.0
     log_dir: Path | None = None
+    num_routers: int = 1  # replicas over the same workers, each with its own index
 
 
 def add_fleet_arguments(parser: argparse.ArgumentParser, *, startup_timeout_s: float) -> None:
@@ -195,6 +196,12 @@ def add_fleet_arguments(parser: argparse.ArgumentParser, *, startup_timeout_s: f
         help="extra argument for the router (repeatable)",
     )
     parser.add_argument("--startup-timeout-s", type=float, default=startup_timeout_s)
+    parser.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        help="router replicas over the same workers (clients spread requests across them)",
+    )
 
 
 def fleet_config_from_args(args: argparse.Namespace) -> FleetConfig:
@@ -208,6 +215,7 @@ def fleet_config_from_args(args: argparse.Namespace) -> FleetConfig:
         worker_args=list(args.worker_arg),
         router_args=list(args.router_arg),
         startup_timeout_s=args.startup_timeout_s,
+        num_routers=args.routers,
     )
 
 
@@ -221,9 +229,9 @@ class Fleet:
     def __init__(self, config: FleetConfig) -> None:
         self.config = config
         self.workers: list[WorkerEndpoint] = []
-        self.router_port: int | None = None
+        self.router_ports: list[int] = []
         self._worker_children: list[Child] = []
-        self._router_child: Child | None = None
+        self._router_children: list[Child] = []
         # NOTE: a temporary log folder is removed on stop(); errors quote the log tail.
         self._owns_log_dir = config.log_dir is None
         self._log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix="kvroute-fleet-"))
@@ -239,9 +247,18 @@ class Fleet:
 
     @property
     def router_url(self) -> str:
-        if self.router_port is None:
+        """The first router's URL."""
+        return self.router_urls[0]
+
+    @property
+    def router_urls(self) -> list[str]:
+        if not self.router_ports:
             raise FleetError("no router is running")
-        return f"http://{HOST}:{self.router_port}"
+        return [f"http://{HOST}:{port}" for port in self.router_ports]
+
+    @property
+    def router_pids(self) -> list[int]:
+        return [child.process.pid for child in self._router_children]
 
     @property
     def log_dir(self) -> Path:
@@ -249,11 +266,10 @@ class Fleet:
 
     @property
     def child_pids(self) -> list[int]:
-        children = [*self._worker_children, *([self._router_child] if self._router_child else [])]
-        return [child.process.pid for child in children]
+        return [child.process.pid for child in [*self._worker_children, *self._router_children]]
 
     def all_alive(self) -> bool:
-        children = [*self._worker_children, *([self._router_child] if self._router_child else [])]
+        children = [*self._worker_children, *self._router_children]
         return all(child.process.poll() is None for child in children)
 
     def start_workers(self) -> None:
@@ -273,38 +289,58 @@ class Fleet:
             self._wait_ready(child, agent_urls, deadline)
 
     def start_router(self, policy: str, extra_args: list[str] | None = None) -> str:
-        """Start the router with ``policy`` over the fleet's workers; returns its URL."""
+        """Start ``num_routers`` routers with ``policy`` over the fleet's workers; returns
+        the first one's URL (``router_urls`` has them all)."""
         self.stop_router()
-        self.router_port = free_port()
+        for replica in range(self.config.num_routers):
+            self.start_router_replica(policy, replica, extra_args)
+        return self.router_url
+
+    def start_router_replica(
+        self, policy: str, replica: int, extra_args: list[str] | None = None
+    ) -> str:
+        """Start router ``replica`` (a new port unless it replaces a stopped one) and wait
+        until it is ready and counts every worker as routable."""
+        port = free_port()
         # NOTE: --block-size is only the router's fallback for workers that do not tell.
         argv = kvroute_command(
-            "router", "--host", HOST, "--port", str(self.router_port), "--policy", policy,
+            "router", "--host", HOST, "--port", str(port), "--policy", policy,
             "--block-size", str(self.config.block_size),
         )  # fmt: skip
         for endpoint in self.workers:
             argv += ["--worker", endpoint.router_spec]
         argv += [*self.config.router_args, *(extra_args or [])]
-        self._router_child = self._spawn(f"router-{policy}", argv)
+        child = self._spawn(f"router-{policy}-{replica}", argv)
+        if replica < len(self.router_ports):
+            self.router_ports[replica], self._router_children[replica] = port, child
+        else:
+            self.router_ports.append(port)
+            self._router_children.append(child)
+        url = f"http://{HOST}:{port}"
         deadline = time.monotonic() + self.config.startup_timeout_s
-        self._wait_ready(self._router_child, [self.router_url + "/health"], deadline)
-        while not self._router_sees_all_workers():
-            self._check_starting(self._router_child, self.router_url + "/ready", deadline)
+        self._wait_ready(child, [url + "/health"], deadline)
+        while not self._router_sees_all_workers(url):
+            self._check_starting(child, url + "/ready", deadline)
             time.sleep(0.2)
-        return self.router_url
+        return url
 
-    def _router_sees_all_workers(self) -> bool:
+    def stop_router_replica(self, replica: int) -> None:
+        """Stop one router; its slot keeps its place for ``start_router_replica``."""
+        self._router_children[replica].stop()
+
+    def _router_sees_all_workers(self, url: str) -> bool:
         """The router's /ready is 200 and counts every worker as healthy (routable)."""
         try:
-            ready = json.loads(http_text(self.router_url + "/ready"))
+            ready = json.loads(http_text(url + "/ready"))
         except (OSError, ValueError):
             return False
         return bool(ready.get("healthy_workers", len(self.workers)) >= len(self.workers))
 
     def stop_router(self) -> None:
-        if self._router_child is not None:
-            self._router_child.stop()
-            self._router_child = None
-            self.router_port = None
+        for child in self._router_children:
+            child.stop()
+        self._router_children.clear()
+        self.router_ports.clear()
 
     def stop(self) -> None:
         """Stop the router first (it holds streams to the workers), then every worker."""

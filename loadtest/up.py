@@ -1,4 +1,5 @@
-"""``kvroute up``: a router and N workers on loopback until Ctrl-C or SIGTERM.
+"""``kvroute up``: N workers and one router (or ``--routers K`` replicas) on loopback
+until Ctrl-C or SIGTERM.
 
 Prints the endpoint, the metrics URLs and the process ids, then waits. On SIGINT or
 SIGTERM (or when a child dies) it stops the router, then the workers, each as a whole
@@ -34,11 +35,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def describe(fleet: Fleet) -> str:
-    lines = [
-        f"kvroute is up: {len(fleet.workers)} workers behind one router",
-        f"  endpoint:        {fleet.router_url}/v1   (OpenAI API)",
-        f"  router metrics:  {fleet.router_url}/metrics",
-    ]
+    routers = fleet.router_urls
+    lines = [f"kvroute is up: {len(fleet.workers)} workers behind {len(routers)} router(s)"]
+    for url in routers:
+        lines.append(f"  endpoint:        {url}/v1   (OpenAI API)   metrics {url}/metrics")
     for w in fleet.workers:
         lines.append(
             f"  worker {w.worker_id:<4} {w.url}  metrics {w.url}/metrics  "

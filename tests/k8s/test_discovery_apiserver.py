@@ -8,128 +8,14 @@ server restart (the last list stands meanwhile) and a watch expiry (410 Gone: re
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
 
-from router.config import WorkerSpec
-from router.discovery_k8s import KubernetesDiscovery, KubernetesSettings
-from tests.k8s.apiserver import ApiServer, ApiServerUnavailable, ensure_kube_apiserver
+from tests.k8s.apiserver import ApiServer
+from tests.k8s.cluster import Cluster, following, in_thread
 from tests.polling import wait_until
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
-
-API_VERSION = "discovery.k8s.io/v1beta1"  # what 1.20 serves
-SELECTOR = "kubernetes.io/service-name=kvroute-workers"
-
-
-@pytest.fixture(scope="module")
-def apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
-    try:
-        binary = ensure_kube_apiserver()
-    except ApiServerUnavailable as exc:
-        pytest.skip(str(exc))
-    server = ApiServer(binary, tmp_path_factory.mktemp("apiserver"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-class Cluster:
-    """Writes objects through the real client, as a controller would."""
-
-    def __init__(self, kubeconfig: Path, namespace: str) -> None:
-        from kubernetes import config, dynamic
-
-        self.namespace = namespace
-        client = dynamic.DynamicClient(config.new_client_from_config(config_file=str(kubeconfig)))
-        self.slices = client.resources.get(api_version=API_VERSION, kind="EndpointSlice")
-        self.config_maps = client.resources.get(api_version="v1", kind="ConfigMap")
-        namespaces = client.resources.get(api_version="v1", kind="Namespace")
-        namespaces.create(body={"metadata": {"name": namespace}})
-
-    def put_slice(self, name: str, addresses: dict[str, dict[str, bool]]) -> None:
-        body = {
-            "apiVersion": API_VERSION,
-            "kind": "EndpointSlice",
-            "metadata": {
-                "name": name,
-                "labels": {
-                    "kubernetes.io/service-name": "kvroute-workers",
-                    "kvroute.io/model": "m",
-                },
-            },
-            "addressType": "IPv4",
-            "ports": [{"name": "http", "port": 8000}, {"name": "agent", "port": 8100}],
-            "endpoints": [
-                {
-                    "addresses": [ip],
-                    "conditions": conditions,
-                    "targetRef": {"kind": "Pod", "name": f"pod-{ip}"},
-                }
-                for ip, conditions in addresses.items()
-            ],
-        }
-        try:
-            self.slices.replace(body=body, namespace=self.namespace, name=name)
-        except Exception:  # not there yet
-            self.slices.create(body=body, namespace=self.namespace)
-
-    def delete_slice(self, name: str) -> None:
-        self.slices.delete(namespace=self.namespace, name=name)
-
-    def churn(self, num_objects: int) -> None:
-        """Writes that the discovery's selector does not see: they move etcd's revision."""
-        for i in range(num_objects):
-            self.config_maps.create(
-                body={"metadata": {"name": f"churn-{i}"}, "data": {"i": str(i)}},
-                namespace=self.namespace,
-            )
-
-
-class Follower:
-    """Runs ``KubernetesDiscovery.watch()`` and keeps every list it yields."""
-
-    def __init__(self, discovery: KubernetesDiscovery) -> None:
-        self.discovery = discovery
-        self.lists: list[list[WorkerSpec]] = []
-
-    @property
-    def ids(self) -> list[str]:
-        return [w.worker_id for w in self.lists[-1]] if self.lists else []
-
-    async def run(self) -> None:
-        async for workers in self.discovery.watch():
-            self.lists.append(workers)
-
-
-@contextlib.asynccontextmanager
-async def following(server: ApiServer, namespace: str) -> AsyncIterator[Follower]:
-    settings = KubernetesSettings(
-        namespace=namespace,
-        label_selector=SELECTOR,
-        api_version=API_VERSION,
-        kubeconfig=str(server.kubeconfig),
-        watch_timeout_s=5,
-        max_backoff_s=1.0,
-    )
-    follower = Follower(KubernetesDiscovery(settings))
-    task = asyncio.create_task(follower.run())
-    try:
-        yield follower
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
-async def in_thread(fn: Any, *args: Any) -> Any:
-    return await asyncio.to_thread(fn, *args)
 
 
 def test_fleet_follows_slices_created_changed_and_deleted(apiserver: ApiServer) -> None:
