@@ -116,6 +116,13 @@ class DashboardSamples:
         self.samples: deque[dict[str, Any]] = deque(maxlen=capacity)
         self._cumulative: deque[tuple[float, Cumulative]] = deque(maxlen=rate_window + 1)
         self.latest_workers: list[dict[str, Any]] = []
+        self._last_event_lag: dict[str, float] = {}  # worker -> last windowed mean lag
+
+    def _last_lag_of(self, worker: str, lag_sum: float, lag_count: float) -> float | None:
+        """The mean event lag over the window, else the last one seen (idle workers)."""
+        if lag_count > 0:
+            self._last_event_lag[worker] = round(lag_sum / lag_count, 6)
+        return self._last_event_lag.get(worker)
 
     def read_cumulative(self) -> Cumulative:
         m = self._metrics
@@ -139,7 +146,8 @@ class DashboardSamples:
     def take(self, now: float) -> dict[str, Any]:
         """Read the router's state at wall time ``now``; append and return the sample."""
         current = self.read_cumulative()
-        before_t, before = self._cumulative[0] if self._cumulative else (now, Cumulative())
+        # the first sample is its own baseline: zero rates, never a rate over no time
+        before_t, before = self._cumulative[0] if self._cumulative else (now, current)
         self._cumulative.append((now, current))
         span = max(now - before_t, 1e-9)
         window = _Window(current, before, span)
@@ -191,7 +199,7 @@ class DashboardSamples:
                     "inflight": load.num_inflight,
                     "kv_usage": round(float(load.kv_usage), 4),
                     "blocks": self._blocks_of(w),
-                    "event_lag_s": lag_sum / lag_count if lag_count else None,
+                    "event_lag_s": self._last_lag_of(w, lag_sum, lag_count),
                     "last_sync": self._metrics.last_index_sync.get(w),
                     "resyncs": counters["resyncs"].get((w,), 0.0),
                     "requests": requests.get(w, 0.0),

@@ -31,6 +31,15 @@
     return (s / 3600).toFixed(1) + " h ago";
   }
   const el = (id) => document.getElementById(id);
+  // axis ticks: 250k, 1.5M; small values as they are
+  function compact(v) {
+    if (v === null || v === undefined) return "";
+    const a = Math.abs(v);
+    if (a >= 1e6) return +(v / 1e6).toFixed(1) + "M";
+    if (a >= 1e4) return +(v / 1e3).toFixed(0) + "k";
+    if (a >= 1e3) return +(v / 1e3).toFixed(1) + "k";
+    return +v.toPrecision(3) + "";
+  }
 
   // --- chart definitions: each gives series keys, labels and one column per key --------
   const dynamicKeys = (field) => {
@@ -39,28 +48,28 @@
     return [...keys].sort();
   };
   const CHARTS = [
-    { id: "hit", title: "Token hit ratio (5 s window)", unit: "%", series: () => [
+    { id: "hit", title: "Token hit ratio (%, 5 s window)", range: [0, 100], series: () => [
       { label: "hit ratio", value: (s) => s.hit_ratio === null ? null : 100 * s.hit_ratio }] },
-    { id: "cached", title: "Cached prompt tokens / s: predicted vs actual", unit: "tok/s", series: () => [
+    { id: "cached", title: "Cached prompt tokens / s: predicted vs actual", series: () => [
       { label: "predicted", value: (s) => s.predicted_cached_rate },
       { label: "actual", value: (s) => s.actual_cached_rate },
       { label: "prompt tokens", value: (s) => s.prompt_tokens_rate }] },
-    { id: "ttft", title: "TTFT percentiles (s)", unit: "s", series: () => ["p50", "p90", "p99"].map(
+    { id: "ttft", title: "TTFT percentiles (s)", series: () => ["p50", "p90", "p99"].map(
       (q) => ({ label: "TTFT " + q, value: (s) => s["ttft_" + q] })) },
-    { id: "tpot", title: "TPOT percentiles (s)", unit: "s", series: () => ["p50", "p90", "p99"].map(
+    { id: "tpot", title: "TPOT percentiles (s)", series: () => ["p50", "p90", "p99"].map(
       (q) => ({ label: "TPOT " + q, value: (s) => s["tpot_" + q] })) },
-    { id: "status", title: "Requests / s by HTTP status", unit: "req/s", series: () =>
+    { id: "status", title: "Requests / s by HTTP status", series: () =>
       dynamicKeys("status_rate").map((k) => ({ label: k, value: (s) => (s.status_rate || {})[k] ?? 0 })) },
-    { id: "phases", title: "Decision latency p50 by phase (µs)", unit: "µs", series: () =>
+    { id: "phases", title: "Decision latency p50 by phase (µs)", series: () =>
       dynamicKeys("phases").map((k) => ({ label: k, value: (s) => {
         const p = (s.phases || {})[k]; return p && p.p50 !== null ? p.p50 * 1e6 : null; } })) },
-    { id: "queue", title: "Queue depth and 429 / s", unit: "", series: () => [
+    { id: "queue", title: "Queue depth and 429 / s", series: () => [
       { label: "queue depth", value: (s) => s.queue_depth },
       { label: "429 / s", value: (s) => s.rate_429 }] },
-    { id: "load", title: "Running + waiting per worker", unit: "req", series: () =>
+    { id: "load", title: "Running + waiting per worker", series: () =>
       dynamicKeys("workers").map((w) => ({ label: w, value: (s) => {
         const x = (s.workers || {})[w]; return x ? x.running + x.waiting : null; } })) },
-    { id: "kv", title: "KV usage per worker (%)", unit: "%", series: () =>
+    { id: "kv", title: "KV usage per worker (%)", range: [0, 100], series: () =>
       dynamicKeys("workers").map((w) => ({ label: w, value: (s) => {
         const x = (s.workers || {})[w]; return x ? 100 * x.kv_usage : null; } })) },
   ];
@@ -90,8 +99,10 @@
       series: [{}, ...series.map((s, i) => ({
         label: s.label, stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: false,
         points: { show: false } }))],
-      axes: [{}, { size: 60 }],
+      axes: [{}, { size: 64, values: (u, vals) => vals.map(compact) }],
+      legend: { live: false },
     };
+    if (def.range) opts.scales.y = { range: def.range };
     charts[def.id] = { key, plot: new uPlot(opts, data, box) };
   }
 
