@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.charts.grafana import load_dashboards, queries
 from tests.charts.prometheus_server import PROMETHEUS, PrometheusServer
 from tests.router.loaded_fleet import loaded_fleet
 
@@ -68,3 +69,17 @@ def test_prometheus_scrapes_the_fleet_and_key_queries_return_data(tmp_path: Path
                     raise AssertionError(f"no good data for {failed}\n{prometheus.log_tail()}")
                 time.sleep(0.5)
             assert not prometheus.query('{__name__=~"kvroute_router_.*_created"}')
+            _check_dashboard_queries(prometheus)
+
+
+def _check_dashboard_queries(prometheus: PrometheusServer) -> None:
+    """Every Grafana panel query is valid PromQL for this Prometheus, and most of them
+    already return data from the fleet (some need a failure or a resync first)."""
+    num_queries = num_with_data = 0
+    for dashboard in load_dashboards().values():
+        for _, expr in queries(dashboard):
+            promql = expr.replace("$__rate_interval", "15s").replace("$worker", ".*")
+            num_queries += 1
+            num_with_data += bool(prometheus.query(promql))  # raises on a PromQL error
+    assert num_queries > 40
+    assert num_with_data >= 0.75 * num_queries, (num_with_data, num_queries)
