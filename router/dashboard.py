@@ -5,13 +5,14 @@ chart library with its MIT license) is served by the router itself; it loads not
 from elsewhere. It polls ``GET /dashboard/data?since=T`` every second and plots the
 last ten minutes from ``DashboardSamples`` (one sample per second, a bounded ring).
 
-Admin routes: every route added here is named with ``ADMIN_ROUTE_PREFIX``
-(``admin:dashboard``, ``admin:dashboard-data``, ``admin:dashboard-static``), so an
-admin-auth middleware protects them all with one check on
-``request.match_info.route.name``. ``ADMIN_PATH_PREFIX`` serves the same purpose for a
-check on the path. The page passes a token found in its URL fragment
-(``/dashboard#token=...``, never sent to the server by the browser) on its data
-requests as ``Authorization: Bearer``.
+Admin routes: the data route is named with ``ADMIN_ROUTE_PREFIX``
+(``admin:dashboard-data``), so an admin-auth middleware protects it (and any other
+admin route) with one check on ``request.match_info.route.name`` (``is_admin_route``).
+NOTE: the page and its static files (``dashboard:page``, ``dashboard:static``) carry no
+fleet data and stay public, because a browser cannot send an ``Authorization`` header
+when it loads a page or a ``<script>``; the page passes a token found in its URL
+fragment (``/dashboard#token=...``, which the browser never sends to a server nor
+logs) on its data requests as ``Authorization: Bearer``, and says so on a 401.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from router.scheduling.types import WorkerView
 log = logging.getLogger(__name__)
 
 ADMIN_ROUTE_PREFIX = "admin:"
-ADMIN_PATH_PREFIX = "/dashboard"
 SAMPLE_INTERVAL_S = 1.0
 WINDOW_S = 600
 
@@ -77,15 +77,13 @@ def add_dashboard(
     )
     app[_STATIC] = _load_static()
     app.cleanup_ctx.append(_sampling)
-    app.router.add_get("/dashboard", _page, name=ADMIN_ROUTE_PREFIX + "dashboard")
+    app.router.add_get("/dashboard", _page, name="dashboard:page")
+    app.router.add_get("/dashboard/static/{name}", _static, name="dashboard:static")
     app.router.add_get("/dashboard/data", _data, name=ADMIN_ROUTE_PREFIX + "dashboard-data")
-    app.router.add_get(
-        "/dashboard/static/{name}", _static, name=ADMIN_ROUTE_PREFIX + "dashboard-static"
-    )
 
 
 def is_admin_route(request: web.Request) -> bool:
-    """Whether the request matched a route this module (or another admin module) named."""
+    """Whether the request matched a route named as an admin route (here or elsewhere)."""
     name = request.match_info.route.name
     return name is not None and name.startswith(ADMIN_ROUTE_PREFIX)
 

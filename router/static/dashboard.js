@@ -161,6 +161,9 @@
     const since = samples.length ? samples[samples.length - 1].t : 0;
     try {
       const resp = await fetch("/dashboard/data?since=" + since, { headers, cache: "no-store" });
+      if (resp.status === 401 || resp.status === 403) {
+        throw new Error("HTTP " + resp.status + ": open /dashboard#token=<admin token>");
+      }
       if (!resp.ok) throw new Error("HTTP " + resp.status);
       const data = await resp.json();
       windowS = data.window_s;

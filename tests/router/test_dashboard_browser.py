@@ -2,8 +2,9 @@
 
 Debian's ``chromium`` driven by Playwright: the page loads with no console error (its
 CSP allows only the router's own files), shows one row per worker and numbers in every
-tile, the numbers change as load continues, the charts are drawn, and a worker that is
-killed turns its row red. A full-page screenshot is saved under the test's tmp dir.
+tile, the numbers change as load continues, the charts are drawn, the admin token from
+the URL fragment rides on the data requests, and a worker that is killed turns its row
+red. A full-page screenshot is saved under the test's tmp dir (its path is printed).
 """
 
 from __future__ import annotations
@@ -51,8 +52,19 @@ def test_dashboard_in_chromium_shows_a_live_fleet(tmp_path: Path) -> None:
                     "console",
                     lambda msg: problems.append(msg.text) if msg.type == "error" else None,
                 )
-                page.goto(fleet.router_url + "/dashboard")
+                data_auth: list[str | None] = []
+                page.on(
+                    "request",
+                    lambda r: (
+                        data_auth.append(r.headers.get("authorization"))
+                        if "/dashboard/data" in r.url
+                        else None
+                    ),
+                )
+                page.goto(fleet.router_url + "/dashboard#token=admin-secret")
                 _check_live(page)
+                # the fragment's token rides on every data request, never in a URL
+                assert data_auth and set(data_auth) == {"Bearer admin-secret"}
                 os.killpg(fleet.child_pids[NUM_WORKERS - 1], signal.SIGTERM)  # the last worker
                 _check_red_row(page)
                 shot = tmp_path / "dashboard.png"
