@@ -61,6 +61,7 @@ class RouterMetrics:
             registry=r,
         )
         self._declare_latency_metrics(r)
+        self._declare_token_metrics(r)
         self._declare_fleet_metrics(r)
         self._worker_children: dict[str, WorkerChildren] = {}
         self._event_lag_children: dict[str, Any] = {}
@@ -102,6 +103,8 @@ class RouterMetrics:
             buckets=_DECISION_BUCKETS,
             registry=r,
         )
+
+    def _declare_token_metrics(self, r: CollectorRegistry) -> None:
         self.prompt_tokens = Counter(
             _PREFIX + "prompt_tokens",
             "Prompt tokens of successful requests, by the worker that served them",
