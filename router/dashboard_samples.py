@@ -114,7 +114,7 @@ class DashboardSamples:
         self._views = views
         self._blocks_of = blocks_of
         self.samples: deque[dict[str, Any]] = deque(maxlen=capacity)
-        self._cumulative: deque[tuple[float, Cumulative]] = deque(maxlen=rate_window + 1)
+        self._cumulative: deque[tuple[float, Cumulative]] = deque(maxlen=rate_window)
         self.latest_workers: list[dict[str, Any]] = []
         self._last_event_lag: dict[str, float] = {}  # worker -> last windowed mean lag
 

@@ -14,10 +14,14 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kvindex.hashing import Namespace
+from kvindex.index import WorkerId
 from router.app import METRICS, start_server
 from router.config import RouterConfig, WorkerSpec
 from router.dashboard import ADMIN_ROUTE_PREFIX, DASHBOARD_SAMPLES
-from router.dashboard_samples import quantile
+from router.dashboard_samples import DashboardSamples, quantile
+from router.metrics import RouterMetrics
+from router.scheduling.types import WorkerLoad, WorkerView
 from tests.polling import wait_until
 from tests.router.fakes import run, running_router
 from tests.router.simfleet import BLOCK_SIZE, sim_fleet
@@ -49,6 +53,49 @@ def test_quantile_interpolates_within_the_bucket_like_promql() -> None:
     assert quantile(0.99, buckets) == pytest.approx(0.5 + 0.5 * (39.6 - 30) / 10)
     assert quantile(0.5, [(0.1, 0.0), (float("inf"), 0.0)]) is None
     assert quantile(0.9, [(0.1, 0.0), (float("inf"), 5.0)]) == 0.1  # all above the top bucket
+
+
+def _view(worker: str, *, healthy: bool, running: int) -> WorkerView:
+    return WorkerView(
+        worker_id=WorkerId(worker), url="http://127.0.0.1:1", namespace=Namespace(model="m"),
+        healthy=healthy, models=frozenset({"m"}), loras=frozenset(), max_concurrency=None,
+        load=WorkerLoad(num_running=running, num_waiting=1, kv_usage=0.25),
+    )  # fmt: skip
+
+
+def test_samples_derive_windowed_rates_from_the_metrics_and_stay_bounded() -> None:
+    metrics = RouterMetrics()
+    views = [_view("w0", healthy=True, running=3), _view("w1", healthy=False, running=0)]
+    samples = DashboardSamples(metrics, lambda: views, lambda w: 7, capacity=50, rate_window=2)
+    first = samples.take(1000.0)
+    assert first["hit_ratio"] is None and first["status_rate"] == {}
+    w0 = metrics.of_worker("w0")
+    for t in (1001.0, 1002.0):  # 10 requests per second, 1000 prompt tokens, 600 cached
+        for _ in range(10):
+            metrics.count_request("cache_aware", "w0", "200")
+            w0.ttft.observe(0.04)
+        w0.prompt_tokens.inc(1000)
+        w0.actual_cached.inc(600)
+        w0.predicted_cached.inc(500)
+        metrics.count_request("cache_aware", "none", "429")
+        latest = samples.take(t)
+    assert latest["status_rate"] == {"200": 10.0, "429": 1.0} and latest["rate_429"] == 1.0
+    assert latest["hit_ratio"] == 0.6
+    assert (latest["predicted_cached_rate"], latest["actual_cached_rate"]) == (500.0, 600.0)
+    assert 0.025 < latest["ttft_p50"] <= latest["ttft_p99"] <= 0.05  # the 0.025-0.05 bucket
+    assert latest["workers"]["w1"]["healthy"] is False
+    rows = {row["worker"]: row for row in samples.latest_workers}
+    assert rows["w0"]["requests"] == 20 and rows["w0"]["hit_ratio"] == 0.6
+    assert rows["w0"]["running"] == 3 and rows["w0"]["blocks"] == 7
+    assert rows["w1"]["healthy"] is False and rows["w1"]["hit_ratio"] is None
+    # no traffic for a window: rates fall to zero, the ratio to "no data"
+    for t in (1003.0, 1004.0):
+        quiet = samples.take(t)
+    assert quiet["status_rate"] == {"200": 0.0, "429": 0.0} and quiet["hit_ratio"] is None
+    for t in range(1005, 1100):
+        samples.take(float(t))
+    assert len(samples.samples) == 50  # the ring is bounded
+    assert [s["t"] for s in samples.since(1097.0)] == [1098.0, 1099.0]
 
 
 def test_dashboard_page_and_data_follow_a_live_fleet() -> None:
