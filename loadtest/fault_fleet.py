@@ -196,8 +196,7 @@ class FaultFleet:
         return sum(
             value
             for (name, labels), value in self.metrics().items()
-            if name == "kvroute_router_queue_depth"
-            or (name == "kvroute_router_worker_load" and ("field", "num_inflight") in labels)
+            if name == "kvroute_router_queue_depth" or name == "kvroute_router_worker_inflight"
         )
 
     # -- internal helpers ---------------------------------------------------------

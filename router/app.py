@@ -25,6 +25,7 @@ from aiohttp.typedefs import Middleware
 from kvindex.index import PrefixIndex, WorkerId
 from router.admission import AdmissionQueue
 from router.config import RouterConfig
+from router.dashboard import add_dashboard
 from router.discovery import Discovery, discovery_from_config
 from router.errors import ApiError, error_middleware
 from router.fleet import Fleet, TokenizerRegistry
@@ -104,6 +105,7 @@ def create_app(
         [_client_session, _upstream_pool, _subscriptions, _discovery, _health_checker]
     )
     _add_routes(app)
+    add_dashboard(app, metrics, fleet.views, lambda w: index.num_blocks_of(WorkerId(w)))
     return app
 
 

@@ -6,6 +6,10 @@ several routers in one process without duplicate-metric errors.
 Names are prefixed ``kvroute_router_``. Per-worker gauges (load, index blocks) are read
 at scrape time from the fleet and the index through a custom collector, so they are
 never stale and cost nothing between scrapes.
+
+Hygiene rules (tested on a live ``/metrics``): no ``_created`` series; a fraction is its
+own metric named ``..._ratio``, never a label value beside counts; every HELP says what
+is counted and which requests are left out.
 """
 
 from __future__ import annotations
@@ -14,11 +18,22 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from router.scheduling.types import WorkerView
+
+# NOTE: ``_created`` series double the exposition and no query of ours reads them;
+# prometheus_client only offers a process-wide switch, flipped when this module loads.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 _PREFIX = "kvroute_router_"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -34,7 +49,8 @@ class RouterMetrics:
         r = self.registry
         self.requests = Counter(
             _PREFIX + "requests",
-            "Requests answered, by policy, worker and HTTP status",
+            "Requests answered, by policy, worker (none: answered by the router itself) "
+            "and HTTP status",
             ["policy", "worker", "status"],
             registry=r,
         )
@@ -45,67 +61,78 @@ class RouterMetrics:
             registry=r,
         )
         self._declare_latency_metrics(r)
+        self._declare_token_metrics(r)
         self._declare_fleet_metrics(r)
         self._worker_children: dict[str, WorkerChildren] = {}
+        self._event_lag_children: dict[str, Any] = {}
+        self.last_index_sync: dict[str, float] = {}  # worker -> wall time of its last snapshot
         self._phase_children: dict[str, Any] = {}
         self._request_children: dict[tuple[str, str, str], Any] = {}
 
     def _declare_latency_metrics(self, r: CollectorRegistry) -> None:
         self.ttft = Histogram(
             _PREFIX + "ttft_seconds",
-            "Time to first token seen by the router",
+            "Seconds from sending a streaming request upstream to its first SSE event, "
+            "successful requests only; non-streaming requests have no first token the "
+            "router sees and are only in e2e_seconds",
             ["worker"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.tpot = Histogram(
             _PREFIX + "tpot_seconds",
-            "Time per output token after the first",
+            "Seconds per output token after the first, (e2e - ttft) / (completion tokens "
+            "- 1), successful streaming requests with at least 2 completion tokens",
             ["worker"],
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
             registry=r,
         )
         self.e2e = Histogram(
             _PREFIX + "e2e_seconds",
-            "End-to-end request latency",
+            "Seconds from sending a request upstream to its last byte, successful "
+            "requests, streaming and non-streaming alike (retried attempts not included)",
             ["worker"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.decision = Histogram(
             _PREFIX + "decision_seconds",
-            "Routing decision latency by phase",
+            "Seconds spent per routing phase of a request (tokenize, hash, lookup, "
+            "score, commit), every request that reached that phase",
             ["phase"],
             buckets=_DECISION_BUCKETS,
             registry=r,
         )
+
+    def _declare_token_metrics(self, r: CollectorRegistry) -> None:
         self.prompt_tokens = Counter(
             _PREFIX + "prompt_tokens",
-            "Prompt tokens routed",
+            "Prompt tokens of successful requests, by the worker that served them",
             ["worker"],
             registry=r,
         )
         self.prompt_tokens_hist = Histogram(
             _PREFIX + "prompt_tokens_per_request",
-            "Prompt tokens per request",
+            "Prompt tokens per tokenized request (before routing; refused ones included)",
             buckets=_TOKEN_BUCKETS,
             registry=r,
         )
         self.predicted_cached = Counter(
             _PREFIX + "predicted_cached_tokens",
-            "Cached prompt tokens the index predicted",
+            "Cached prompt tokens the index predicted, successful requests",
             ["worker"],
             registry=r,
         )
         self.actual_cached = Counter(
             _PREFIX + "actual_cached_tokens",
-            "Cached prompt tokens the worker reported",
+            "Cached prompt tokens the worker reported in usage, successful requests",
             ["worker"],
             registry=r,
         )
         self.cached_drift = Histogram(
             _PREFIX + "cached_tokens_error",
-            "actual - predicted cached tokens per request",
+            "Reported minus predicted cached tokens per successful request that "
+            "reported cached tokens",
             ["worker"],
             buckets=(-4096, -1024, -256, -32, -1, 0, 1, 32, 256, 1024, 4096),
             registry=r,
@@ -131,7 +158,9 @@ class RouterMetrics:
         )
         self.event_lag = Histogram(
             _PREFIX + "event_lag_seconds",
-            "Wall-clock lag of KV event batches at apply time",
+            "Seconds from a KV event batch's engine timestamp to its apply in the index, "
+            "live batches with a timestamp (snapshots not included), by worker",
+            ["worker"],
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
             registry=r,
         )
@@ -165,6 +194,16 @@ class RouterMetrics:
             child = self._phase_children[phase] = self.decision.labels(phase=phase)
         child.observe(seconds)
 
+    def observe_event_lag(self, worker: str, seconds: float) -> None:
+        child = self._event_lag_children.get(worker)
+        if child is None:
+            child = self._event_lag_children[worker] = self.event_lag.labels(worker=worker)
+        child.observe(seconds)
+
+    def note_index_sync(self, worker: str, wall_time: float) -> None:
+        """A snapshot replaced the worker's index entries (first sync or a resync)."""
+        self.last_index_sync[worker] = wall_time
+
     def count_request(self, policy: str, worker: str, status: str) -> None:
         key = (policy, worker, status)
         child = self._request_children.get(key)
@@ -181,7 +220,7 @@ class RouterMetrics:
         hit_ratio: Callable[[], float],
     ) -> None:
         """Register scrape-time gauges: per-worker load and index blocks, token hit ratio."""
-        self.registry.register(_FleetCollector(workers, blocks_of, hit_ratio))
+        self.registry.register(_FleetCollector(workers, blocks_of, hit_ratio, self.last_index_sync))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -200,45 +239,76 @@ class WorkerChildren:
     cached_drift: Any
 
 
+# Per-worker load gauges: (WorkerLoad field, metric suffix, HELP). Counts only; the
+# KV usage fraction is its own ``_ratio`` gauge.
+_LOAD_GAUGES = (
+    ("num_running", "worker_running", "Requests the engine reports running"),
+    ("num_waiting", "worker_waiting", "Requests the engine reports waiting (not scheduled)"),
+    ("num_inflight", "worker_inflight", "This router's requests in flight on the worker"),
+    (
+        "prefill_tokens_queued",
+        "worker_prefill_tokens_queued",
+        "Prompt tokens the engine reports queued for prefill (agent workers only)",
+    ),
+    (
+        "inflight_prefill_tokens",
+        "worker_inflight_prefill_tokens",
+        "Uncached prompt tokens this router sent that have no first token yet",
+    ),
+)
+
+
 class _FleetCollector(Collector):
     def __init__(
         self,
         workers: Callable[[], Iterable[WorkerView]],
         blocks_of: Callable[[str], int],
         hit_ratio: Callable[[], float],
+        last_index_sync: dict[str, float],
     ) -> None:
         self._workers = workers
         self._blocks_of = blocks_of
         self._hit_ratio = hit_ratio
+        self._last_index_sync = last_index_sync
 
     def collect(self) -> Iterable[Metric]:
-        load = GaugeMetricFamily(
-            _PREFIX + "worker_load", "Per-worker load", labels=["worker", "field"]
+        loads = [
+            (field, GaugeMetricFamily(_PREFIX + suffix, text, labels=["worker"]))
+            for field, suffix, text in _LOAD_GAUGES
+        ]
+        kv_usage = GaugeMetricFamily(
+            _PREFIX + "worker_kv_usage_ratio",
+            "Fraction of the worker's KV cache blocks in use, as the engine reports, [0, 1]",
+            labels=["worker"],
         )
         healthy = GaugeMetricFamily(
-            _PREFIX + "worker_healthy", "1 when routable", labels=["worker"]
+            _PREFIX + "worker_healthy", "1 when the worker is routable, else 0", labels=["worker"]
         )
         blocks = GaugeMetricFamily(
-            _PREFIX + "index_blocks", "Index blocks per worker", labels=["worker"]
+            _PREFIX + "index_blocks", "Blocks the index holds for the worker", labels=["worker"]
+        )
+        last_sync = GaugeMetricFamily(
+            _PREFIX + "index_last_sync_timestamp_seconds",
+            "Unix time the worker's index entries were last rebuilt from a snapshot",
+            labels=["worker"],
         )
         for view in self._workers():
             w = str(view.worker_id)
-            for name in (
-                "num_running",
-                "num_waiting",
-                "kv_usage",
-                "prefill_tokens_queued",
-                "num_inflight",
-                "inflight_prefill_tokens",
-            ):
-                load.add_metric([w, name], float(getattr(view.load, name)))
+            for field, family in loads:
+                family.add_metric([w], float(getattr(view.load, field)))
+            kv_usage.add_metric([w], float(view.load.kv_usage))
             healthy.add_metric([w], 1.0 if view.healthy else 0.0)
             blocks.add_metric([w], float(self._blocks_of(w)))
+            synced_at = self._last_index_sync.get(w)
+            if synced_at is not None:
+                last_sync.add_metric([w], synced_at)
         ratio = GaugeMetricFamily(
-            _PREFIX + "token_hit_ratio", "Cached prompt tokens / prompt tokens, since start"
+            _PREFIX + "token_hit_ratio",
+            "Cached prompt tokens / prompt tokens of successful requests since the router "
+            "started; use the counters' rates for a windowed ratio",
         )
         ratio.add_metric([], self._hit_ratio())
-        return [load, healthy, blocks, ratio]
+        return [*(family for _, family in loads), kv_usage, healthy, blocks, last_sync, ratio]
 
     def describe(self) -> Iterable[Metric]:
         return []

@@ -63,6 +63,7 @@ class IndexFeed:
         for event in events:
             self._index.apply(self.worker_id, event, now)
         self.num_snapshots += 1
+        self._metrics.note_index_sync(self.worker_id, time.time())
         self.synced.set()
         self._events_applied.inc(len(events))
         log.info(
@@ -99,10 +100,12 @@ class IndexFeed:
         self._index.apply_batch(self.worker_id, batch, time.monotonic())
         self._events_applied.inc(len(batch.events))
         if batch.ts > 0:
-            self._metrics.event_lag.observe(max(0.0, time.time() - batch.ts))
+            self._metrics.observe_event_lag(self.worker_id, max(0.0, time.time() - batch.ts))
 
     def purge(self) -> None:
+        """Drop the worker's blocks before they are rebuilt (ZMQ bootstrap or resync)."""
         self._index.clear_worker(self.worker_id)
+        self._metrics.note_index_sync(self.worker_id, time.time())
 
     def _confirm_block_size(self, block_size: int) -> None:
         """The first stored block tells the worker's real block size (see fleet)."""

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
+
+# NOTE: no ``_created`` series (as in the router's metrics); the switch is process-wide,
+# so a ``kvroute worker`` process (simulator + agent) exports none either.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
 class AgentMetrics:
