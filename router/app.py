@@ -24,6 +24,8 @@ from aiohttp.typedefs import Middleware
 
 from kvindex.index import PrefixIndex, WorkerId
 from router.admission import AdmissionQueue
+from router.cache_report import CacheReporter
+from router.cache_report import running as cache_report_running
 from router.config import RouterConfig
 from router.discovery import Discovery, discovery_from_config
 from router.errors import ApiError, error_middleware
@@ -47,6 +49,7 @@ DISCOVERY = web.AppKey("discovery", Discovery)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 UPSTREAM = web.AppKey("upstream", UpstreamPool)
 SUBSCRIPTIONS = web.AppKey("subscriptions", SubscriptionManager)
+CACHE_REPORT = web.AppKey("cache_report", CacheReporter)
 
 _STARTED_AT = int(time.time())
 
@@ -86,6 +89,7 @@ def create_app(
         queue=queue,
         upstream_getter=lambda: app[UPSTREAM],
         resync=resync,
+        cache_report=CacheReporter(config.cache_report_sample_rate),
     )
     metrics.add_fleet_collector(
         fleet.views, lambda w: index.num_blocks_of(WorkerId(w)), proxy.hits.ratio
@@ -97,9 +101,11 @@ def create_app(
     app[METRICS] = metrics
     app[PROXY] = proxy
     app[DISCOVERY] = discovery or discovery_from_config(config)
+    app[CACHE_REPORT] = proxy.cache_report
     app.cleanup_ctx.extend(
         [_client_session, _upstream_pool, _subscriptions, _discovery, _health_checker]
     )
+    app.cleanup_ctx.append(_cache_report)
     _add_routes(app)
     return app
 
@@ -111,6 +117,7 @@ def _add_routes(app: web.Application) -> None:
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/v1/kvroute/cache_report", _cache_report_json)
 
 
 # --- handlers ---------------------------------------------------------------------------
@@ -155,6 +162,15 @@ async def _metrics(request: web.Request) -> web.Response:
         body=request.app[METRICS].render(),
         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
     )
+
+
+async def _cache_report_json(request: web.Request) -> web.Response:
+    """The prompt cache-friendliness report (``router.cache_report``); ``?limit=N``."""
+    try:
+        limit = int(request.query.get("limit", "20"))
+    except ValueError:
+        raise ApiError(400, "Query parameter 'limit' must be an integer.", param="limit") from None
+    return web.json_response(request.app[CACHE_REPORT].report(max(0, min(limit, 1000))))
 
 
 # --- resources (one cleanup context each) -----------------------------------------------
@@ -227,6 +243,11 @@ async def _health_checker(app: web.Application) -> AsyncIterator[None]:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def _cache_report(app: web.Application) -> AsyncIterator[None]:
+    async with cache_report_running(app[CACHE_REPORT]):
+        yield
 
 
 async def start_server(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:

@@ -108,6 +108,7 @@ class RouterConfig:
     session_header: str = "x-session-id"
     salt_by_tenant: bool = False
     log_level: str = "info"
+    cache_report_sample_rate: float = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +187,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("session_header", "str", "header carrying the session key (else the 'user' field)"),
     Option("salt_by_tenant", "bool", "set cache_salt from the authenticated tenant"),
     Option("log_level", "str", "logging level"),
+    Option(
+        "cache_report_sample_rate",
+        "float",
+        "fraction of prompts analysed for the cache-friendliness report (0: off)",
+    ),
 )
 
 

@@ -33,6 +33,7 @@ from aiohttp import web
 
 from kvindex.index import WorkerId
 from router.admission import AdmissionQueue
+from router.cache_report import CacheReporter
 from router.config import RouterConfig
 from router.errors import ApiError, bad_request, model_not_found
 from router.fleet import Fleet, TokenizerRegistry
@@ -75,6 +76,7 @@ class Proxy:
     upstream_getter: Callable[[], UpstreamPool]  # the app's pool of worker connections
     resync: Callable[[WorkerId, str], bool]
     hits: HitCounter = field(default_factory=HitCounter)
+    cache_report: CacheReporter = field(default_factory=lambda: CacheReporter(0.0))
 
     async def handle(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
         try:
@@ -100,6 +102,8 @@ class Proxy:
             parsed.set_field("stream_options", options)
         payload = parsed.encode(raw)
         decision = await self.queue.admit(lambda: self._pick(routing, ()))
+        if self.cache_report.enabled:
+            self._offer_to_cache_report(tenant, routing, decision)
         return await self._forward_with_retries(request, parsed, routing, payload, decision)
 
     # --- steps ------------------------------------------------------------------------
@@ -143,6 +147,17 @@ class Proxy:
             session_key=parsed.session_key,
             max_tokens=parsed.max_tokens,
         )
+
+    def _offer_to_cache_report(
+        self, tenant: str | None, routing: RoutingRequest, decision: Decision
+    ) -> None:
+        worker = self.fleet.workers.get(decision.worker_id)
+        if worker is not None:
+            block_size = worker.view.namespace.block_size
+            scope_tenant = tenant or routing.cache_salt
+            self.cache_report.offer(
+                scope_tenant, routing.model, routing.prompt_token_ids, block_size
+            )
 
     def _base_model_of_lora(self, model: str) -> str | None:
         """The base model a LoRA adapter runs on (None: ``model`` is not a LoRA)."""
