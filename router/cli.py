@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("loadtest.sweep", "sweep offered load x policy on a simulated Mooncake replay"),
     "router": ("router.server_cli", "run the cache-aware OpenAI-compatible router"),
     "agent": ("worker.agent.cli", "run the KV agent as a sidecar next to a running engine"),
+    "analyze": ("router.analyze_cli", "prompt cache-friendliness report of a trace or a router"),
 }
 
 

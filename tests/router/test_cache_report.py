@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+from pathlib import Path
+
 import aiohttp
 
 from loadtest.workloads import build_workload
 from router.app import CACHE_REPORT
 from router.cache_report import CacheReporter
+from router.cli import main as kvroute_main
 from router.config import RouterConfig
 from tests.polling import wait_until
 from tests.router.fakes import run, running_router
@@ -26,7 +31,9 @@ def test_reporter_queue_is_bounded_and_sampling_zero_queues_nothing() -> None:
     assert not off.enabled and off.num_sampled == 0 and off.analyse_pending() == 0
 
 
-def test_router_reports_a_front_header_at_block_zero_with_the_lost_tokens() -> None:
+def test_router_reports_a_front_header_at_block_zero_with_the_lost_tokens(
+    tmp_path: Path,
+) -> None:
     requests = build_workload(
         "dynamic_header",
         {"num_requests": "6", "shared_tokens": "1024", "header_tokens": "20"},
@@ -56,6 +63,10 @@ def test_router_reports_a_front_header_at_block_zero_with_the_lost_tokens() -> N
                 async with http.get(url + "/v1/kvroute/cache_report?limit=x") as resp:
                     assert resp.status == 400
                     assert (await resp.json())["error"]["param"] == "limit"
+                out = tmp_path / "live.json"
+                argv = ["analyze", "--router", url, "--json", str(out)]
+                assert await asyncio.to_thread(kvroute_main, argv) == 0
+                assert json.loads(out.read_text())["families"] == report["families"]
         assert report["object"] == "kvroute.cache_report"
         assert report["num_prompts"] == len(requests) and report["num_dropped"] == 0
         (row,) = report["families"]
