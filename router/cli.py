@@ -20,6 +20,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("loadtest.demo", "compare round_robin and cache_aware on a small simulated fleet"),
     "loadtest": ("loadtest.compare", "run one workload against several policies and report"),
     "sweep": ("loadtest.sweep", "sweep offered load x policy on a simulated Mooncake replay"),
+    "header-compare": (
+        "loadtest.header_compare",
+        "hit ratio with a changing header before vs after a shared prompt",
+    ),
     "router": ("router.server_cli", "run the cache-aware OpenAI-compatible router"),
     "agent": ("worker.agent.cli", "run the KV agent as a sidecar next to a running engine"),
     "analyze": ("router.analyze_cli", "prompt cache-friendliness report of a trace or a router"),
