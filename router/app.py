@@ -35,6 +35,7 @@ from router.proxy import Proxy
 from router.scheduling.registry import create_policy
 from router.scheduling.scheduler import Scheduler
 from router.subscriptions import SubscriptionManager
+from router.tracing import RequestTracer
 from router.upstream_http import UpstreamPool
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,8 @@ def create_app(
         upstream_getter=lambda: app[UPSTREAM],
         resync=resync,
         cache_report=CacheReporter(config.cache_report_sample_rate),
+        tracer=RequestTracer.from_config(config),
+        request_log=config.request_log,
     )
     metrics.add_fleet_collector(
         fleet.views, lambda w: index.num_blocks_of(WorkerId(w)), proxy.hits.ratio
@@ -105,7 +108,7 @@ def create_app(
     app.cleanup_ctx.extend(
         [_client_session, _upstream_pool, _subscriptions, _discovery, _health_checker]
     )
-    app.cleanup_ctx.append(_cache_report)
+    app.cleanup_ctx.extend([_cache_report, _tracer])
     _add_routes(app)
     return app
 
@@ -248,6 +251,13 @@ async def _health_checker(app: web.Application) -> AsyncIterator[None]:
 async def _cache_report(app: web.Application) -> AsyncIterator[None]:
     async with cache_report_running(app[CACHE_REPORT]):
         yield
+
+
+async def _tracer(app: web.Application) -> AsyncIterator[None]:
+    yield
+    tracer = app[PROXY].tracer
+    if tracer is not None:
+        await tracer.shutdown()  # flush the spans still queued
 
 
 async def start_server(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:

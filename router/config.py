@@ -109,6 +109,11 @@ class RouterConfig:
     salt_by_tenant: bool = False
     log_level: str = "info"
     cache_report_sample_rate: float = 0.1
+    log_format: str = "text"
+    request_log: bool = True
+    otlp_traces_endpoint: str | None = None
+    otlp_timeout_s: float = 10.0
+    trace_sample_ratio: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +196,23 @@ OPTIONS: tuple[Option, ...] = (
         "cache_report_sample_rate",
         "float",
         "fraction of prompts analysed for the cache-friendliness report (0: off)",
+    ),
+    Option("log_format", "str", "log lines as 'text' or 'json' (one JSON object a line)"),
+    Option(
+        "request_log",
+        "bool",
+        "one log line per request (id, tenant, model, worker, status, tokens, TTFT; "
+        "never prompt text)",
+    ),
+    Option(
+        "otlp_traces_endpoint",
+        "str",
+        "OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces; unset: tracing off "
+        "(needs the otel extra)",
+    ),
+    Option("otlp_timeout_s", "float", "timeout of one OTLP export"),
+    Option(
+        "trace_sample_ratio", "float", "fraction of new traces sampled (a client's choice wins)"
     ),
 )
 
