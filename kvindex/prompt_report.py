@@ -23,8 +23,9 @@ Bounds: at most ``max_tenants`` scopes (tenant, model, block size), LRU; at most
 hashes (8 bytes each) plus a sketch and counters. Worst case about
 ``max_tenants * max_families * max_blocks * 8`` bytes (16 MiB with the defaults).
 Cost per prompt: ``O(num_blocks)`` (a numpy digest, a sort for the sketch, one Python
-pass for the comparison), ~0.1 ms for a 4K-token prompt; callers run it off the
-request path.
+pass for the comparison), about three times the prompt's chain hash
+(``kvindex.hashing.hash_prompt``) for a 4K-token prompt; callers sample prompts and run
+it off the request path.
 
 NOTE: content hashes see block-aligned content. A dynamic part whose token length
 varies shifts every later block boundary, so no later block compares equal: the report
@@ -37,7 +38,7 @@ import array
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NewType
+from typing import Any, NewType, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -84,7 +85,7 @@ def content_hashes(token_ids: Sequence[int], block_size: int) -> list[ContentHas
     digests = matrix.astype(np.uint64) @ _Keys.for_block_size(block_size)
     digests *= _MIX
     digests ^= digests >> _SHIFT
-    return [ContentHash(int(h)) for h in digests.tolist()]
+    return cast("list[ContentHash]", digests.tolist())
 
 
 @dataclass(frozen=True, slots=True)

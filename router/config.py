@@ -108,7 +108,7 @@ class RouterConfig:
     session_header: str = "x-session-id"
     salt_by_tenant: bool = False
     log_level: str = "info"
-    cache_report_sample_rate: float = 0.1
+    cache_report_sample_rate: float = 0.05
     log_format: str = "text"
     request_log: bool = True
     otlp_traces_endpoint: str | None = None

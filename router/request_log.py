@@ -106,8 +106,19 @@ def log_request(record: RequestRecord, status: int | None) -> None:
     if not log.isEnabledFor(logging.INFO):
         return
     fields = request_fields(record, status)
-    text = " ".join(f"{key}={_text(value)}" for key, value in fields.items())
-    log.info("request %s", text, extra={"kvroute": fields})
+    log.info("request %s", _KeyValues(fields), extra={"kvroute": fields})
+
+
+class _KeyValues:
+    """``key=value ...`` of the fields, built only if a text formatter asks for it."""
+
+    __slots__ = ("fields",)
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        self.fields = fields
+
+    def __str__(self) -> str:
+        return " ".join(f"{key}={_text(value)}" for key, value in self.fields.items())
 
 
 class JsonFormatter(logging.Formatter):
