@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvindex.hashing import fingerprint
 from kvindex.prompt_report import PromptReport, Scope, content_hashes
 
 DEFAULT_TENANT = "default"
@@ -67,12 +68,25 @@ class CacheReporter:
     def enabled(self) -> bool:
         return self.sample_rate > 0.0
 
-    def offer(self, tenant: str | None, model: str, token_ids: list[int], block_size: int) -> None:
-        """Maybe queue one prompt for analysis (the request path's only cost)."""
+    def offer(
+        self,
+        tenant: str | None,
+        cache_salt: str | None,
+        model: str,
+        token_ids: list[int],
+        block_size: int,
+    ) -> None:
+        """Maybe queue one prompt for analysis (the request path's only cost).
+
+        The scope is the authenticated tenant, else a fingerprint of the request's cache
+        salt (never the salt itself: it guards a tenant's cache), else ``default``.
+        """
         self.num_offered += 1
         if self.sample_rate < 1.0 and self._random() >= self.sample_rate:
             return
         self.num_sampled += 1
+        if tenant is None and cache_salt is not None:
+            tenant = "salt:" + fingerprint(cache_salt)
         scope = Scope(tenant or DEFAULT_TENANT, model, block_size)
         try:
             self._queue.put_nowait(_Sample(scope, token_ids))

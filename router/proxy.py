@@ -181,9 +181,8 @@ class Proxy:
         worker = self.fleet.workers.get(decision.worker_id)
         if worker is not None:
             block_size = worker.view.namespace.block_size
-            scope_tenant = tenant or routing.cache_salt
             self.cache_report.offer(
-                scope_tenant, routing.model, routing.prompt_token_ids, block_size
+                tenant, routing.cache_salt, routing.model, routing.prompt_token_ids, block_size
             )
 
     def _base_model_of_lora(self, model: str) -> str | None:

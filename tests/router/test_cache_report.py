@@ -23,12 +23,26 @@ MODEL = "kvroute-tiny"
 def test_reporter_queue_is_bounded_and_sampling_zero_queues_nothing() -> None:
     reporter = CacheReporter(1.0, queue_size=2)
     for _ in range(5):
-        reporter.offer("t", MODEL, list(range(64)), 32)
+        reporter.offer("t", None, MODEL, list(range(64)), 32)
     assert (reporter.num_sampled, reporter.num_dropped) == (5, 3)
     assert reporter.analyse_pending() == 2
     off = CacheReporter(0.0)
-    off.offer("t", MODEL, list(range(64)), 32)
+    off.offer("t", None, MODEL, list(range(64)), 32)
     assert not off.enabled and off.num_sampled == 0 and off.analyse_pending() == 0
+
+
+def test_a_cache_salt_is_never_shown_only_its_fingerprint() -> None:
+    reporter = CacheReporter(1.0)
+    prompt = list(range(16, 16 + 96))
+    for salt in ("s3cr3t-a", "s3cr3t-b", "s3cr3t-a"):
+        reporter.offer(None, salt, MODEL, prompt, 32)
+    reporter.offer("acme", "s3cr3t-a", MODEL, prompt, 32)
+    reporter.analyse_pending()
+    text = json.dumps(reporter.report())
+    assert "s3cr3t" not in text
+    tenants = sorted(row["tenant"] for row in reporter.report()["families"])
+    assert len(tenants) == 3 and "acme" in tenants  # two salts kept apart, and the tenant
+    assert all(t == "acme" or t.startswith("salt:") for t in tenants)
 
 
 def test_router_reports_a_front_header_at_block_zero_with_the_lost_tokens(
