@@ -27,15 +27,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import os
 import random
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvindex.hashing import fingerprint
 from kvindex.prompt_report import PromptReport, Scope, content_hashes
 
 DEFAULT_TENANT = "default"
+# NOTE: keyed per process, so a label cannot be brute-forced offline into a guessable
+# salt; labels of one salt differ between router replicas.
+_SALT_LABEL_KEY = os.urandom(16)
+
+
+def salt_label(cache_salt: str) -> str:
+    """A short keyed fingerprint naming a cache salt's scope without revealing it."""
+    digest = hashlib.blake2b(cache_salt.encode(), key=_SALT_LABEL_KEY, digest_size=6)
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +96,7 @@ class CacheReporter:
             return
         self.num_sampled += 1
         if tenant is None and cache_salt is not None:
-            tenant = "salt:" + fingerprint(cache_salt)
+            tenant = "salt:" + salt_label(cache_salt)
         scope = Scope(tenant or DEFAULT_TENANT, model, block_size)
         try:
             self._queue.put_nowait(_Sample(scope, token_ids))
