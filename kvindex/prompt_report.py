@@ -196,6 +196,7 @@ class PromptReport:
         self.min_sketch_overlap = min_sketch_overlap  # fraction of the smaller sketch
         self.min_run_blocks = min_run_blocks
         self.num_prompts = 0  # observed, all scopes
+        self._num_families_made = 0  # the next family's key
         self._scope_to_families: OrderedDict[Scope, OrderedDict[int, FamilyStats]] = OrderedDict()
 
     # -- public API ------------------------------------------------------------------
@@ -215,16 +216,18 @@ class PromptReport:
         blocks = blocks[: self.max_blocks]
         families = self._families_of(scope)
         sketch = frozenset(sorted(set(blocks))[: self.sketch_size])
-        family = self._match(families, sketch)
+        match = self._match(families, sketch)
         latest = array.array("Q", blocks)
-        if family is None:
+        if match is None:
             family = FamilyStats(label=ContentHash(min(sketch)), sketch=sketch, latest=latest)
-            families[id(family)] = family
+            self._num_families_made += 1
+            families[self._num_families_made] = family
             if len(families) > self.max_families:
                 families.popitem(last=False)
             family.num_prompts, family.last_seen = 1, now
             return None
-        families.move_to_end(id(family))
+        key, family = match
+        families.move_to_end(key)
         divergence = compare_blocks(family.latest.tolist(), blocks, self.min_run_blocks)
         self._account(family, divergence, scope.block_size, num_tokens)
         family.latest, family.sketch, family.last_seen = latest, sketch, now
@@ -253,6 +256,18 @@ class PromptReport:
             "families": [family_row(s, f) for s, f in rows[: max(0, limit)]],
         }
 
+    def check_invariants(self) -> None:
+        """The memory bounds and the counters' order hold (tests call this)."""
+        assert len(self._scope_to_families) <= self.max_tenants
+        for families in self._scope_to_families.values():
+            assert 0 < len(families) <= self.max_families
+            for f in families.values():
+                assert 0 < len(f.latest) <= self.max_blocks
+                assert len(f.sketch) <= self.sketch_size
+                assert 0 <= f.num_early_divergence <= f.num_compared < f.num_prompts
+                assert f.reused_tokens + f.lost_tokens <= f.prompt_tokens
+                assert len(f.first_diff_counts) <= _MAX_DIFF_POSITIONS
+
     # -- internal helpers ------------------------------------------------------------
 
     def _families_of(self, scope: Scope) -> OrderedDict[int, FamilyStats]:
@@ -268,14 +283,15 @@ class PromptReport:
 
     def _match(
         self, families: OrderedDict[int, FamilyStats], sketch: frozenset[int]
-    ) -> FamilyStats | None:
-        best: FamilyStats | None = None
+    ) -> tuple[int, FamilyStats] | None:
+        """The family (key, stats) whose sketch overlaps ``sketch`` most, if enough."""
+        best: tuple[int, FamilyStats] | None = None
         best_overlap = 0
-        for family in families.values():
+        for key, family in families.items():
             overlap = len(sketch & family.sketch)
             needed = max(1, int(self.min_sketch_overlap * min(len(sketch), len(family.sketch))))
             if overlap >= needed and overlap > best_overlap:
-                best, best_overlap = family, overlap
+                best, best_overlap = (key, family), overlap
         return best
 
     @staticmethod

@@ -89,6 +89,7 @@ def test_families_are_kept_apart_and_bounded() -> None:
     for round_no in range(3):
         for system in systems:
             report.observe(SCOPE, [*system, rng.randrange(2**63)], 21 * BLOCK, now=round_no)
+            report.check_invariants()
     rows = report.rows()
     assert len(rows) == 2  # three families, at most two kept
     for _, family in rows:
@@ -96,6 +97,7 @@ def test_families_are_kept_apart_and_bounded() -> None:
         assert family.num_early_divergence == 0  # only their last block differs
     for tenant in ("t1", "t2", "t3"):
         report.observe(Scope(tenant, "m", BLOCK), systems[0], 20 * BLOCK)
+        report.check_invariants()
     assert report.summary()["num_scopes"] == 2
 
 
@@ -108,6 +110,7 @@ def test_report_names_block_zero_and_the_lost_tokens_of_a_front_header() -> None
     for request in front:
         ids = request.prompt_token_ids.tolist()
         report.observe(SCOPE, content_hashes(ids, BLOCK), len(ids))
+    report.check_invariants()
     summary = report.summary()
     assert summary["num_families"] == 1
     row = summary["families"][0]
@@ -130,3 +133,25 @@ def test_report_names_block_zero_and_the_lost_tokens_of_a_front_header() -> None
     assert row["first_diff_block"] is None
     assert row["lost_tokens"] == 0
     assert row["reused_tokens"] == (len(end) - 1) * 128 * BLOCK  # the shared 4096 tokens
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b", "c"]),
+            st.lists(st.integers(0, 12), min_size=0, max_size=40),
+        ),
+        max_size=40,
+    )
+)
+def test_bounds_and_counters_hold_for_any_prompt_stream(
+    prompts: list[tuple[str, list[int]]],
+) -> None:
+    report = PromptReport(max_tenants=2, max_families=3, max_blocks=16, sketch_size=4)
+    for tenant, blocks in prompts:
+        report.observe(Scope(tenant, "m", BLOCK), blocks, len(blocks) * BLOCK)
+        report.check_invariants()
+    summary = report.summary(limit=100)
+    assert summary["num_families"] == len(summary["families"])
+    lost = [row["lost_tokens"] for row in summary["families"]]
+    assert lost == sorted(lost, reverse=True)
