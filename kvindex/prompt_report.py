@@ -21,7 +21,7 @@ never text), per tenant and prompt *family*:
 Bounds: at most ``max_tenants`` scopes (tenant, model, block size), LRU; at most
 ``max_families`` families per scope, LRU; a family holds at most ``max_blocks`` content
 hashes (8 bytes each) plus a sketch and counters. Worst case about
-``max_tenants * max_families * max_blocks * 8`` bytes (16 MiB with the defaults).
+``max_tenants * max_families * max_blocks * 8`` bytes (32 MiB with the defaults).
 Cost per prompt: ``O(num_blocks)`` (a numpy digest, a sort for the sketch, one Python
 pass for the comparison), about three times the prompt's chain hash
 (``kvindex.hashing.hash_prompt``) for a 4K-token prompt; callers sample prompts and run
@@ -35,6 +35,7 @@ then shows a divergence without a resynchronisation (a lower bound of the loss).
 from __future__ import annotations
 
 import array
+import hashlib
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -152,7 +153,7 @@ def compare_blocks(
 class FamilyStats:
     """One prompt family of one scope: its latest prompt and running totals."""
 
-    label: ContentHash  # a content hash of the family's first prompt (a stable name)
+    label: int  # a hash of the first prompt's sketch (a stable name)
     sketch: frozenset[int]
     latest: array.array[int]  # content hashes of the latest prompt (<= max_blocks)
     num_prompts: int = 0
@@ -183,8 +184,8 @@ class PromptReport:
         self,
         *,
         max_tenants: int = 64,
-        max_families: int = 8,
-        max_blocks: int = 4096,
+        max_families: int = 32,
+        max_blocks: int = 2048,
         sketch_size: int = 8,
         min_sketch_overlap: float = 0.5,
         min_run_blocks: int = 1,
@@ -219,7 +220,7 @@ class PromptReport:
         match = self._match(families, sketch)
         latest = array.array("Q", blocks)
         if match is None:
-            family = FamilyStats(label=ContentHash(min(sketch)), sketch=sketch, latest=latest)
+            family = FamilyStats(label=_sketch_label(sketch), sketch=sketch, latest=latest)
             self._num_families_made += 1
             families[self._num_families_made] = family
             if len(families) > self.max_families:
@@ -353,6 +354,11 @@ def advice(diff_block: int | None, block_size: int, family: FamilyStats, early: 
         f"dynamic content in block {diff_block} (tokens {start}-{end}) precedes about "
         f"{per_prompt} tokens that repeat: move it after the stable content"
     )
+
+
+def _sketch_label(sketch: frozenset[int]) -> int:
+    data = array.array("Q", sorted(sketch)).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
 def _ratio(part: int, whole: int) -> float:

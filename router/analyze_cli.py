@@ -42,6 +42,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--block-size", type=int, default=32, help="block size for token-id traces (tokens)"
     )
     parser.add_argument("--limit", type=int, default=10, help="families in the table")
+    parser.add_argument(
+        "--max-families",
+        type=int,
+        default=1024,
+        help="recent families kept per tenant (a trace's conversations interleave)",
+    )
     parser.add_argument("--json", type=Path, dest="json_path", help="write the report here")
     parser.add_argument("--timeout-s", type=float, default=10.0, help="--router request timeout")
 
@@ -54,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         if args.router is not None:
             report = fetch_router_report(args.router, args.limit, args.timeout_s)
         else:
-            report = analyse_trace(args.trace, args.block_size, args.limit)
+            report = analyse_trace(args.trace, args.block_size, args.limit, args.max_families)
     except (TraceError, ValueError) as exc:
         print(f"kvroute analyze: error: {exc}", file=sys.stderr)
         return 2
@@ -68,11 +74,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def analyse_trace(path: Path, block_size: int, limit: int) -> dict[str, Any]:
+def analyse_trace(
+    path: Path, block_size: int, limit: int, max_families: int = 1024
+) -> dict[str, Any]:
     """The report of every prompt of the trace at ``path``, in file order."""
-    if block_size <= 0:
-        raise ValueError(f"--block-size must be positive, got {block_size}")
-    analysis = PromptReport()
+    if block_size <= 0 or max_families <= 0:
+        raise ValueError("--block-size and --max-families must be positive")
+    analysis = PromptReport(max_families=max_families, max_blocks=8192)
     for number, (scope, blocks, num_tokens) in enumerate(_prompts(path, block_size), start=1):
         analysis.observe(scope, blocks, num_tokens, float(number))
     return {"object": "kvroute.cache_report", "source": str(path), **analysis.summary(limit)}
