@@ -215,3 +215,40 @@ def test_spans_are_exported_over_otlp_http() -> None:
 def test_a_tracer_with_a_bad_endpoint_is_refused() -> None:
     with pytest.raises(ValueError, match="otlp_traces_endpoint"):
         RequestTracer.from_config(RouterConfig(otlp_traces_endpoint="collector:4318"))
+
+
+def test_a_retried_request_has_a_route_and_upstream_span_per_attempt() -> None:
+    exporter = InMemorySpanExporter()
+
+    def roots() -> list[Any]:
+        return [s for s in exporter.get_finished_spans() if s.name == "kvroute.request"]
+
+    async def main() -> None:
+        async with fake_workers(FakeBehaviour(mode="http_500"), FakeBehaviour()) as workers:
+            config = router_config(workers, policy="round_robin")
+            async with _router(config, RequestTracer(exporter, batch=False)) as url:
+                for _ in range(2):  # round robin: at least one starts on the failing worker
+                    assert await _complete(url) == 200
+                await wait_until(lambda: len(roots()) == 2)  # a root ends after its children
+
+    run(main())
+    spans = exporter.get_finished_spans()
+    num_retried = 0
+    for root in roots():
+        assert root.attributes["http.response.status_code"] == 200
+        children = [c for c in spans if c.parent and c.parent.span_id == root.context.span_id]
+        upstreams = sorted(
+            (c for c in children if c.name == "upstream"), key=lambda c: c.start_time
+        )
+        routes = [c for c in children if c.name == "route"]
+        assert len(routes) == len(upstreams) in (1, 2)
+        assert [u.attributes["kvroute.attempt"] for u in upstreams] == list(range(len(upstreams)))
+        assert upstreams[-1].status.status_code.name == "UNSET"
+        if len(upstreams) == 2:
+            num_retried += 1
+            assert upstreams[0].status.status_code.name == "ERROR"
+            assert (
+                upstreams[0].attributes["kvroute.worker"]
+                != upstreams[1].attributes["kvroute.worker"]
+            )
+    assert num_retried >= 1
