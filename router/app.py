@@ -24,6 +24,8 @@ from aiohttp.typedefs import Middleware
 
 from kvindex.index import PrefixIndex, WorkerId
 from router.admission import AdmissionQueue
+from router.cache_report import CacheReporter
+from router.cache_report import running as cache_report_running
 from router.config import RouterConfig
 from router.dashboard import add_dashboard
 from router.discovery import Discovery, discovery_from_config
@@ -35,6 +37,7 @@ from router.proxy import Proxy
 from router.scheduling.registry import create_policy
 from router.scheduling.scheduler import Scheduler
 from router.subscriptions import SubscriptionManager
+from router.tracing import RequestTracer
 from router.upstream_http import UpstreamPool
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,7 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 UPSTREAM = web.AppKey("upstream", UpstreamPool)
 SUBSCRIPTIONS = web.AppKey("subscriptions", SubscriptionManager)
 LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
+CACHE_REPORT = web.AppKey("cache_report", CacheReporter)
 
 _STARTED_AT = int(time.time())
 
@@ -89,6 +93,9 @@ def create_app(
         queue=queue,
         upstream_getter=lambda: app[UPSTREAM],
         resync=resync,
+        cache_report=CacheReporter(config.cache_report_sample_rate),
+        tracer=RequestTracer.from_config(config),
+        request_log=config.request_log,
     )
     metrics.add_fleet_collector(
         fleet.views, lambda w: index.num_blocks_of(WorkerId(w)), proxy.hits.ratio
@@ -101,9 +108,11 @@ def create_app(
     app[PROXY] = proxy
     app[LIFECYCLE] = Lifecycle()
     app[DISCOVERY] = discovery or discovery_from_config(config)
+    app[CACHE_REPORT] = proxy.cache_report
     app.cleanup_ctx.extend(
         [_client_session, _upstream_pool, _subscriptions, _discovery, _health_checker]
     )
+    app.cleanup_ctx.extend([_cache_report, _tracer])
     _add_routes(app)
     add_dashboard(app, metrics, fleet.views, lambda w: index.num_blocks_of(WorkerId(w)))
     return app
@@ -116,6 +125,7 @@ def _add_routes(app: web.Application) -> None:
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/v1/kvroute/cache_report", _cache_report_json)
 
 
 # --- handlers ---------------------------------------------------------------------------
@@ -164,6 +174,15 @@ async def _metrics(request: web.Request) -> web.Response:
         body=request.app[METRICS].render(),
         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
     )
+
+
+async def _cache_report_json(request: web.Request) -> web.Response:
+    """The prompt cache-friendliness report (``router.cache_report``); ``?limit=N``."""
+    try:
+        limit = int(request.query.get("limit", "20"))
+    except ValueError:
+        raise ApiError(400, "Query parameter 'limit' must be an integer.", param="limit") from None
+    return web.json_response(request.app[CACHE_REPORT].report(max(0, min(limit, 1000))))
 
 
 # --- resources (one cleanup context each) -----------------------------------------------
@@ -236,6 +255,18 @@ async def _health_checker(app: web.Application) -> AsyncIterator[None]:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def _cache_report(app: web.Application) -> AsyncIterator[None]:
+    async with cache_report_running(app[CACHE_REPORT]):
+        yield
+
+
+async def _tracer(app: web.Application) -> AsyncIterator[None]:
+    yield
+    tracer = app[PROXY].tracer
+    if tracer is not None:
+        await tracer.shutdown()  # flush the spans still queued
 
 
 async def start_server(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:

@@ -22,8 +22,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("loadtest.sweep", "sweep offered load x policy on a simulated Mooncake replay"),
     "faults": ("loadtest.faults", "what clients see while a worker, an agent or a link fails"),
     "soak": ("loadtest.soak", "a long bounded run with faults; the router's footprint over time"),
+    "header-compare": (
+        "loadtest.header_compare",
+        "hit ratio with a changing header before vs after a shared prompt",
+    ),
     "router": ("router.server_cli", "run the cache-aware OpenAI-compatible router"),
     "agent": ("worker.agent.cli", "run the KV agent as a sidecar next to a running engine"),
+    "analyze": ("router.analyze_cli", "prompt cache-friendliness report of a trace or a router"),
 }
 
 

@@ -86,13 +86,14 @@ def option(
     *,
     factory: Callable[[], Any] | None = None,
     minimum: float | None = None,
+    choices: tuple[str, ...] | None = None,
 ) -> Any:
     """A ``RouterConfig`` field that is also a command-line flag, an env var and a file key.
 
     The option's kind (how text is converted) follows from the field's annotation;
-    ``minimum`` rejects smaller numbers at load time.
+    ``minimum`` rejects smaller numbers and ``choices`` other strings at load time.
     """
-    metadata = {"help": help, "minimum": minimum}
+    metadata = {"help": help, "minimum": minimum, "choices": choices}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -200,7 +201,31 @@ class RouterConfig:
         "on SIGTERM, seconds in-flight requests may take to finish (/ready is 503 meanwhile)",
         minimum=0,
     )
-    log_level: str = option("info", "logging level")
+    log_level: str = option(
+        "info", "logging level", choices=("debug", "info", "warning", "error", "critical")
+    )
+    log_format: str = option(
+        "text", "log lines as 'text' or 'json' (one JSON object a line)", choices=("text", "json")
+    )
+    request_log: bool = option(
+        True,
+        "one log line per request (id, tenant, model, worker, status, tokens, TTFT; "
+        "never prompt text)",
+    )
+    cache_report_sample_rate: float = option(
+        0.05,
+        "fraction of prompts analysed for the cache-friendliness report (0: off)",
+        minimum=0,
+    )
+    otlp_traces_endpoint: str | None = option(
+        None,
+        "OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces; unset: tracing off "
+        "(needs the otel extra)",
+    )
+    otlp_timeout_s: float = option(10.0, "timeout of one OTLP export", minimum=0.001)
+    trace_sample_ratio: float = option(
+        1.0, "fraction of new traces sampled (a client's choice wins)", minimum=0
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +236,7 @@ class Option:
     kind: str  # str | int | float | bool | json | workers | mapping
     help: str
     minimum: float | None = None
+    choices: tuple[str, ...] | None = None
 
 
 _KIND_OF_ANNOTATION = {
@@ -234,6 +260,7 @@ def _option_of(config_field: Field[Any]) -> Option:
         kind,
         config_field.metadata["help"],
         config_field.metadata["minimum"],
+        config_field.metadata["choices"],
     )
 
 
@@ -341,6 +368,8 @@ def _convert(opt: Option, value: Any) -> Any:
     converted = _convert_kind(opt.kind, value)
     if opt.minimum is not None and converted < opt.minimum:
         raise ValueError(f"must be at least {opt.minimum:g}")
+    if opt.choices is not None and converted not in opt.choices:
+        raise ValueError(f"must be one of {', '.join(opt.choices)}")
     return converted
 
 

@@ -23,6 +23,7 @@ upstream connection, and vLLM aborts the request.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -33,14 +34,17 @@ from aiohttp import web
 
 from kvindex.index import WorkerId
 from router.admission import AdmissionQueue
+from router.cache_report import CacheReporter
 from router.config import RouterConfig
 from router.errors import ApiError, bad_request, model_not_found
 from router.fleet import Fleet, TokenizerRegistry
 from router.metrics import RouterMetrics
+from router.request_log import REQUEST_RECORD, RequestRecord, log_request
 from router.requests import ParsedRequest, RequestKind, first_prompt, parse_request
 from router.scheduling.scheduler import Scheduler
 from router.scheduling.types import Decision, RoutingRequest
 from router.tokenization import ModelTokenizer, TokenizationError
+from router.tracing import RequestTracer
 from router.upstream import Attempt, RetryableError, forward
 from router.upstream_http import UpstreamPool
 
@@ -75,13 +79,32 @@ class Proxy:
     upstream_getter: Callable[[], UpstreamPool]  # the app's pool of worker connections
     resync: Callable[[WorkerId, str], bool]
     hits: HitCounter = field(default_factory=HitCounter)
+    cache_report: CacheReporter = field(default_factory=lambda: CacheReporter(0.0))
+    tracer: RequestTracer | None = None  # None: tracing off, no span is made
+    request_log: bool = True  # one log line per request
 
     async def handle(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
+        record = RequestRecord.start(request, kind)
+        if self.tracer is not None:
+            record.trace = self.tracer.start_request(request, kind)
+        request[REQUEST_RECORD] = record
+        status: int | None = None
         try:
-            return await self._handle(request, kind)
+            response = await self._handle(request, kind)
+            status = response.status
+            return response
         except ApiError as exc:  # answered by the router itself, no worker involved
+            status = exc.status
             self.metrics.count_request(self.scheduler.policy.name, "none", str(exc.status))
             raise
+        except asyncio.CancelledError:
+            status = 499  # the client went away
+            raise
+        except Exception:
+            status = 500  # rendered by the error middleware
+            raise
+        finally:
+            self._observe_end(record, status)
 
     async def _handle(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
         try:
@@ -89,17 +112,25 @@ class Proxy:
         except web.HTTPRequestEntityTooLarge as exc:
             raise ApiError(413, f"Request body too large: {exc.text}") from None
         parsed = parse_request(kind, raw, request.headers.get(self.config.session_header))
-        self._check_model(parsed.model)
         tenant = request.get(TENANT_KEY)
+        record = request[REQUEST_RECORD]
+        record.model, record.tenant = parsed.model, tenant
+        self._check_model(parsed.model)
         if tenant is not None and self.config.salt_by_tenant:
             parsed.set_field("cache_salt", tenant)
+        started_ns = time.time_ns()
         routing = self._routing_request(parsed)
+        record.tokenize_ns = (started_ns, time.time_ns())
         if parsed.stream and not parsed.client_wants_usage:
             options = dict(parsed.body.get("stream_options") or {})
             options["include_usage"] = True
             parsed.set_field("stream_options", options)
         payload = parsed.encode(raw)
+        started_ns = time.time_ns()
         decision = await self.queue.admit(lambda: self._pick(routing, ()))
+        record.admission_ns = (started_ns, time.time_ns())
+        if self.cache_report.enabled:
+            self._offer_to_cache_report(tenant, routing, decision)
         return await self._forward_with_retries(request, parsed, routing, payload, decision)
 
     # --- steps ------------------------------------------------------------------------
@@ -144,6 +175,16 @@ class Proxy:
             max_tokens=parsed.max_tokens,
         )
 
+    def _offer_to_cache_report(
+        self, tenant: str | None, routing: RoutingRequest, decision: Decision
+    ) -> None:
+        worker = self.fleet.workers.get(decision.worker_id)
+        if worker is not None:
+            block_size = worker.view.namespace.block_size
+            self.cache_report.offer(
+                tenant, routing.cache_salt, routing.model, routing.prompt_token_ids, block_size
+            )
+
     def _base_model_of_lora(self, model: str) -> str | None:
         """The base model a LoRA adapter runs on (None: ``model`` is not a LoRA)."""
         for worker in self.fleet.workers.values():
@@ -167,6 +208,7 @@ class Proxy:
     ) -> web.StreamResponse:
         excluded: list[WorkerId] = []
         last_error = "no worker available"
+        record = request[REQUEST_RECORD]
         for attempt_no in range(max(1, self.config.max_attempts)):
             if attempt_no > 0:
                 retry = self._pick(routing, tuple(excluded))
@@ -174,10 +216,19 @@ class Proxy:
                     break
                 decision = retry
             attempt = self._attempt(decision, parsed, payload)
+            record.attempts.append(attempt)
+            trace = record.trace
             try:
                 if decision.worker_id not in self.fleet.workers:  # removed after the pick
                     raise RetryableError("connect", f"worker {decision.worker_id} left the fleet")
-                response = await forward(request, attempt, self.upstream_getter(), self.config)
+                if trace is None:
+                    response = await forward(request, attempt, self.upstream_getter(), self.config)
+                else:
+                    trace.route(decision, time.time_ns(), attempt_no)
+                    with trace.upstream(decision, attempt.url, attempt_no):
+                        response = await forward(
+                            request, attempt, self.upstream_getter(), self.config
+                        )
             except RetryableError as exc:
                 last_error = str(exc)
                 self.metrics.attempts_failed.labels(
@@ -208,6 +259,27 @@ class Proxy:
             strip_usage=parsed.stream and not parsed.client_wants_usage,
             on_first_token=self._on_first_token,
         )
+
+    def _observe_end(self, record: RequestRecord, status: int | None) -> None:
+        """The request's log line and the end of its trace (tracing on)."""
+        if self.request_log:
+            log_request(record, status)
+        trace = record.trace
+        if trace is not None:
+            for name, span_ns in (
+                ("tokenize", record.tokenize_ns),
+                ("admission", record.admission_ns),
+            ):
+                if span_ns is not None:
+                    trace.leaf(name, *span_ns, {})
+            attempt = record.attempts[-1] if record.attempts else None
+            trace.end(
+                record.final_status(status),
+                {"kvroute.request_id": record.request_id, "kvroute.model": record.model,
+                 "kvroute.tenant": record.tenant,
+                 "kvroute.cached_tokens": attempt.cached_tokens if attempt else None,
+                 "kvroute.ttft_s": attempt.ttft_s if attempt else None},
+            )  # fmt: skip
 
     def _on_first_token(self, attempt: Attempt) -> None:
         self.scheduler.on_first_token(attempt.decision, attempt.ttft_s or 0.0)

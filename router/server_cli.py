@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
 import sys
 
@@ -17,6 +16,7 @@ import uvloop
 
 from router.app import LIFECYCLE, create_app, start_server
 from router.config import RouterConfig, configure_parser, load_config
+from router.request_log import configure_logging
 
 EPILOG = """\
 precedence: flags > KVROUTE_* env vars > --config file > defaults.
@@ -39,9 +39,11 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"kvroute router: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    try:
+        configure_logging(config.log_level, config.log_format)
+    except ValueError as exc:
+        print(f"kvroute router: {exc}", file=sys.stderr)
+        return 2
     if not config.workers and not config.workers_file:
         print("kvroute router: no workers (--worker or --workers-file)", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loadtest.workloads.base import LoadRequest, TokenRange, params_from_strings
+from loadtest.workloads.dynamic_header import DynamicHeaderParams, build_dynamic_header
 from loadtest.workloads.mooncake import MooncakeParams, build_mooncake
 from loadtest.workloads.synthetic import (
     FanoutParams,
@@ -37,6 +38,9 @@ WORKLOADS: dict[str, WorkloadKind] = {
     "multiturn": WorkloadKind(MultiTurnParams, build_multiturn, "chat sessions resending history"),
     "rag": WorkloadKind(RagParams, build_rag, "Zipf-popular documents before a question"),
     "fanout": WorkloadKind(FanoutParams, build_fanout, "one context, N parallel branches"),
+    "dynamic_header": WorkloadKind(
+        DynamicHeaderParams, build_dynamic_header, "a changing header before/after a shared prompt"
+    ),
 }
 
 

@@ -79,6 +79,7 @@ class PickContext:
         "rates",
         "request",
         "rng",
+        "scores",
     )
 
     def __init__(
@@ -99,6 +100,8 @@ class PickContext:
         self.rng = rng
         self.now = now
         self.phase_seconds: dict[str, float] = {"hash": 0.0, "lookup": 0.0, "score": 0.0}
+        # A scoring policy's scores of ``candidates`` (lower wins), for traces; None: none.
+        self.scores: Sequence[float] | None = None
         self._index = index
         self._resolve_namespace = resolve_namespace
         self._hash_prompt = hash_prompt  # kvindex's, or a PrefixChainCache's (same result)

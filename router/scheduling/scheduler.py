@@ -218,6 +218,7 @@ class Scheduler:
             picked_at=now,
             queued_prefill_tokens_at_pick=queued_prefill_tokens(load),
             num_running_at_pick=decode_batch(load),
+            candidate_scores=ctx.scores,
             load=load,
         )
         # Blocks of the leading run the worker really holds need no prediction; skipping

@@ -9,6 +9,7 @@ by the fleet from agent load reports or ``/metrics``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvindex.hashing import BlockHash, Namespace
@@ -78,5 +79,8 @@ class Decision:
     # Features the rate learner needs at first token, as they were at pick time.
     queued_prefill_tokens_at_pick: int = 0
     num_running_at_pick: int = 0
+    # The policy's scores of the candidates (lower wins; None: it does not score), kept
+    # by reference so a trace can report the winner's margin.
+    candidate_scores: Sequence[float] | None = field(default=None, repr=False, compare=False)
     # The WorkerLoad the pick charged; releases go to the same object.
     load: WorkerLoad | None = field(default=None, repr=False, compare=False)

@@ -123,6 +123,7 @@ class CacheAwarePolicy(BasePolicy):
     def choose(self, ctx: PickContext) -> WorkerView:
         candidates = ctx.candidates
         scores = self.expected_ttfts(ctx)
+        ctx.scores = scores
         if self.temperature > 0 and len(candidates) > 1:
             return self._sample(ctx, scores)
         return argmin_random_tie(candidates, scores, ctx.rng)
