@@ -106,7 +106,13 @@ class RouterConfig:
     sync_timeout_s: float = 10.0
     prediction_ttl_s: float = 2.0
     session_header: str = "x-session-id"
-    salt_by_tenant: bool = False
+    tenants_file: str | None = None
+    tenants: str | None = field(default=None, repr=False)
+    tenant_secret: str | None = field(default=None, repr=False)
+    tenant_secret_file: str | None = None
+    admin_token: str | None = field(default=None, repr=False)
+    admin_token_file: str | None = None
+    metrics_need_admin: bool = False
     log_level: str = "info"
 
 
@@ -184,7 +190,25 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("prediction_ttl_s", "float", "seconds a routed request's blocks count as predicted"),
     Option("session_header", "str", "header carrying the session key (else the 'user' field)"),
-    Option("salt_by_tenant", "bool", "set cache_salt from the authenticated tenant"),
+    Option(
+        "tenants_file",
+        "str",
+        "API keys of tenants: a YAML/JSON file (list of {tenant, key | key_sha256, "
+        "sharing_group, max_concurrency, tokens_per_minute}) or a mounted Secret directory "
+        "(one file per tenant holding its key); re-read when it changes and on SIGHUP. "
+        "Auth is off only when no tenants are configured",
+    ),
+    Option("tenants", "str", "the same tenant entries as YAML/JSON text (for the env var)"),
+    Option(
+        "tenant_secret",
+        "str",
+        "server secret the tenants' cache salts derive from (required with tenants; "
+        "at least 16 bytes; prefer --tenant-secret-file)",
+    ),
+    Option("tenant_secret_file", "str", "file holding the tenant secret"),
+    Option("admin_token", "str", "bearer token for the admin endpoints (/admin/...)"),
+    Option("admin_token_file", "str", "file holding the admin token"),
+    Option("metrics_need_admin", "bool", "serve /metrics only with the admin token"),
     Option("log_level", "str", "logging level"),
 )
 

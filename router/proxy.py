@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -40,13 +40,18 @@ from router.metrics import RouterMetrics
 from router.requests import ParsedRequest, RequestKind, first_prompt, parse_request
 from router.scheduling.scheduler import Scheduler
 from router.scheduling.types import Decision, RoutingRequest
+from router.tenant_limits import TenantLease
 from router.tokenization import ModelTokenizer, TokenizationError
 from router.upstream import Attempt, RetryableError, forward
 from router.upstream_http import UpstreamPool
 
+if TYPE_CHECKING:
+    from router.auth import Auth
+
 log = logging.getLogger(__name__)
 
-TENANT_KEY = web.RequestKey("kvroute_tenant", str)  # set by auth middleware (later issue)
+TENANT_KEY = web.RequestKey("kvroute_tenant", str)  # tenant id, set by ``router.auth``
+_TENANT_LEASE = web.RequestKey("kvroute_tenant_lease", TenantLease)
 _PATHS: dict[RequestKind, str] = {
     "completion": "/v1/completions",
     "chat": "/v1/chat/completions",
@@ -75,6 +80,7 @@ class Proxy:
     upstream_getter: Callable[[], UpstreamPool]  # the app's pool of worker connections
     resync: Callable[[WorkerId, str], bool]
     hits: HitCounter = field(default_factory=HitCounter)
+    auth: Auth | None = None  # tenants: cache salt and limits
 
     async def handle(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
         try:
@@ -90,19 +96,54 @@ class Proxy:
             raise ApiError(413, f"Request body too large: {exc.text}") from None
         parsed = parse_request(kind, raw, request.headers.get(self.config.session_header))
         self._check_model(parsed.model)
-        tenant = request.get(TENANT_KEY)
-        if tenant is not None and self.config.salt_by_tenant:
-            parsed.set_field("cache_salt", tenant)
+        tenant = self._apply_tenant(request, parsed)
         routing = self._routing_request(parsed)
         if parsed.stream and not parsed.client_wants_usage:
             options = dict(parsed.body.get("stream_options") or {})
             options["include_usage"] = True
             parsed.set_field("stream_options", options)
         payload = parsed.encode(raw)
-        decision = await self.queue.admit(lambda: self._pick(routing, ()))
-        return await self._forward_with_retries(request, parsed, routing, payload, decision)
+        lease = self._admit_tenant(request, tenant, len(routing.prompt_token_ids))
+        try:
+            decision = await self.queue.admit(lambda: self._pick(routing, ()))
+            return await self._forward_with_retries(request, parsed, routing, payload, decision)
+        finally:
+            if lease is not None:
+                lease.release()
 
     # --- steps ------------------------------------------------------------------------
+
+    def _apply_tenant(self, request: web.Request, parsed: ParsedRequest) -> str | None:
+        """The authenticated tenant's cache salt replaces whatever the client sent.
+
+        NOTE: the body field feeds both the worker and the router's block-hash namespace
+        (``_routing_request``), so a client can neither reach another tenant's blocks
+        nor make the router predict them. Anonymous requests (auth off) keep theirs.
+        """
+        tenant_id = request.get(TENANT_KEY)
+        if tenant_id is None:
+            return None
+        tenant = self.auth.tenant(tenant_id) if self.auth is not None else None
+        if tenant is None:  # removed by a reload since the middleware saw its key
+            raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key",
+                           error_type="invalid_request_error")  # fmt: skip
+        parsed.set_field("cache_salt", tenant.cache_salt)
+        return tenant.tenant_id
+
+    def _admit_tenant(
+        self, request: web.Request, tenant_id: str | None, num_prompt_tokens: int
+    ) -> TenantLease | None:
+        """The tenant's concurrency and token budget (429 with Retry-After beyond)."""
+        tenant = self.auth.tenant(tenant_id) if tenant_id and self.auth is not None else None
+        if tenant is None or self.auth is None:
+            return None
+        try:
+            lease = self.auth.admit(tenant, num_prompt_tokens)
+        except ApiError as exc:
+            self.metrics.rejected.labels(reason=exc.code or "tenant_limit").inc()
+            raise
+        request[_TENANT_LEASE] = lease
+        return lease
 
     def _check_model(self, model: str) -> None:
         if self.fleet.serves(model):
@@ -191,6 +232,9 @@ class Proxy:
                 self._finish(attempt, ok=False)
                 raise
             self._finish(attempt, ok=attempt.ok)
+            lease = request.get(_TENANT_LEASE)
+            if lease is not None:  # the completion's share of the tenant's budget
+                lease.charge_completion(attempt.completion_tokens)
             return response
         status = 504 if "timeout" in last_error else 502
         raise ApiError(

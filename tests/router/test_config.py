@@ -22,14 +22,14 @@ def test_precedence_flags_over_env_over_file_over_defaults(tmp_path: Path) -> No
         "port: 9001\npolicy: least_load\nqueue_size: 7\nidle-timeout-s: 3.5\n"
         "workers:\n  - url: http://127.0.0.1:1\n    agent_url: http://127.0.0.1:2\n"
     )
-    env = {"KVROUTE_POLICY": "random", "KVROUTE_QUEUE_SIZE": "8", "KVROUTE_SALT_BY_TENANT": "1"}
+    env = {"KVROUTE_POLICY": "random", "KVROUTE_QUEUE_SIZE": "8", "KVROUTE_METRICS_NEED_ADMIN": "1"}
     args = _parse(["--config", str(config_file), "--queue-size", "9"])
     config = load_config(args, env)
     assert config.port == 9001  # file
     assert config.policy == "random"  # env beats file
     assert config.queue_size == 9  # flag beats env
     assert config.idle_timeout_s == 3.5  # file key with dashes
-    assert config.salt_by_tenant is True
+    assert config.metrics_need_admin is True
     assert config.first_byte_timeout_s == RouterConfig().first_byte_timeout_s  # default
     assert config.workers == [WorkerSpec("http://127.0.0.1:1", agent_url="http://127.0.0.1:2")]
 
