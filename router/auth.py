@@ -118,7 +118,10 @@ class Auth:
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        path = request.path
+        # NOTE: the matched route's path, not the raw one, decides (no spelling of a
+        # path reaches an admin handler without passing the admin check).
+        resource = request.match_info.route.resource
+        path = resource.canonical if resource is not None else request.path
         if path in OPEN_PATHS and not (path == "/metrics" and self.metrics_need_admin):
             return await handler(request)
         if path == "/metrics" or path.startswith(ADMIN_PATH_PREFIXES):

@@ -9,6 +9,9 @@ the router derives replaces the client's, in the body and in the index's namespa
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -281,5 +284,60 @@ def test_a_sharing_group_shares_cache_hits() -> None:
                 assert shared.cached_tokens == full == shared.predicted_cached_tokens
                 outsider = await routed_completion(app, session, url, "c", body)
                 assert (outsider.cached_tokens, outsider.predicted_cached_tokens) == (0, 0)
+
+    run(main(), timeout_s=60)
+
+
+@pytest.mark.parametrize("trigger", ["poll", "sighup"])
+def test_a_changed_tenants_file_is_reloaded(tmp_path: Path, trigger: str) -> None:
+    path = tmp_path / "tenants.yaml"
+    path.write_text(f"- {{tenant: a, key: {KEYS['a']}}}\n")
+
+    async def main() -> None:
+        async with fake_workers(FakeBehaviour()) as (worker,):
+            config = router_config(
+                [worker],
+                tenants_file=str(path),
+                tenant_secret=SECRET,
+                # the SIGHUP case must not be helped by the poll
+                discovery_interval_s=0.05 if trigger == "poll" else 3600.0,
+            )
+            async with running_router(config) as (_, url), aiohttp.ClientSession() as session:
+
+                async def status(tenant: str) -> int:
+                    async with session.post(
+                        url + "/v1/completions", json=BODY, headers=auth_headers(tenant)
+                    ) as resp:
+                        return resp.status
+
+                assert (await status("a"), await status("b")) == (200, 401)
+                path.write_text(f"- {{tenant: b, key: {KEYS['b']}, max_concurrency: 1}}\n")
+                st = os.stat(path)  # coarse file system clocks: make the change visible
+                os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+                if trigger == "sighup":
+                    os.kill(os.getpid(), signal.SIGHUP)
+
+                async def swapped() -> bool:
+                    return await status("b") == 200
+
+                await wait_until(swapped, what="the new key accepted")
+                assert await status("a") == 401
+
+    run(main(), timeout_s=60)
+
+
+def test_no_spelling_of_an_admin_path_skips_the_admin_check() -> None:
+    async def main() -> None:
+        async with (
+            sim_fleet(1) as workers,
+            running_router(_config([w.spec() for w in workers])) as (_, url),
+            aiohttp.ClientSession() as session,
+        ):
+            for path in ("//admin/index", "/admin/../admin/index", "/admin/./index",
+                         "/%61dmin/index", "/admin/index/", "/ADMIN/index"):  # fmt: skip
+                async with session.get(
+                    url + path, headers=auth_headers("a"), allow_redirects=False
+                ) as resp:
+                    assert resp.status in (401, 403, 404), (path, resp.status)
 
     run(main(), timeout_s=60)
