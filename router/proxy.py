@@ -41,6 +41,7 @@ from router.requests import ParsedRequest, RequestKind, first_prompt, parse_requ
 from router.scheduling.scheduler import Scheduler
 from router.scheduling.types import Decision, RoutingRequest
 from router.tenant_limits import TenantLease
+from router.tenants import Tenant
 from router.tokenization import ModelTokenizer, TokenizationError
 from router.upstream import Attempt, RetryableError, forward
 from router.upstream_http import UpstreamPool
@@ -113,7 +114,7 @@ class Proxy:
 
     # --- steps ------------------------------------------------------------------------
 
-    def _apply_tenant(self, request: web.Request, parsed: ParsedRequest) -> str | None:
+    def _apply_tenant(self, request: web.Request, parsed: ParsedRequest) -> Tenant | None:
         """The authenticated tenant's cache salt replaces whatever the client sent.
 
         NOTE: the body field feeds both the worker and the router's block-hash namespace
@@ -128,13 +129,12 @@ class Proxy:
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key",
                            error_type="invalid_request_error")  # fmt: skip
         parsed.set_field("cache_salt", tenant.cache_salt)
-        return tenant.tenant_id
+        return tenant
 
     def _admit_tenant(
-        self, request: web.Request, tenant_id: str | None, num_prompt_tokens: int
+        self, request: web.Request, tenant: Tenant | None, num_prompt_tokens: int
     ) -> TenantLease | None:
         """The tenant's concurrency and token budget (429 with Retry-After beyond)."""
-        tenant = self.auth.tenant(tenant_id) if tenant_id and self.auth is not None else None
         if tenant is None or self.auth is None:
             return None
         try:

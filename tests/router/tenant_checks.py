@@ -102,12 +102,13 @@ async def check_tenant_isolation(
         repeat = await routed_completion(app, session, url, "a", body)
         attack = await routed_completion(app, session, url, "b", {**body, "cache_salt": salt_of_a})
         plain = await routed_completion(app, session, url, "c", body)
-    assert first.cached_tokens == 0
-    assert repeat.cached_tokens > 0 and repeat.predicted_cached_tokens > 0
+    results = [first, repeat, attack, plain]
+    assert first.cached_tokens == 0, results
+    assert repeat.cached_tokens > 0 and repeat.predicted_cached_tokens > 0, results
     # the same order of magnitude (equal, in the runs so far)
-    assert repeat.predicted_cached_tokens <= 2 * repeat.cached_tokens
-    assert repeat.cached_tokens <= 2 * repeat.predicted_cached_tokens
+    assert repeat.predicted_cached_tokens <= 2 * repeat.cached_tokens, results
+    assert repeat.cached_tokens <= 2 * repeat.predicted_cached_tokens, results
     for other in (attack, plain):
-        assert other.prompt_tokens == first.prompt_tokens
-        assert (other.cached_tokens, other.predicted_cached_tokens) == (0, 0)
-    return [first, repeat, attack, plain]
+        assert other.prompt_tokens == first.prompt_tokens, results
+        assert (other.cached_tokens, other.predicted_cached_tokens) == (0, 0), results
+    return results
