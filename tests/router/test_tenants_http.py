@@ -18,7 +18,7 @@ import aiohttp
 import openai
 import pytest
 
-from router.app import INDEX
+from router.app import FLEET, INDEX
 from router.config import RouterConfig, WorkerSpec
 from router.tenants import derive_cache_salt
 from tests.polling import wait_until
@@ -119,9 +119,11 @@ def test_admin_endpoints_need_the_admin_token() -> None:
         async with sim_fleet(2) as workers:
             specs = [w.spec() for w in workers]
             async with (
-                running_router(_config(specs, metrics_need_admin=True)) as (_, url),
+                running_router(_config(specs, metrics_need_admin=True)) as (app, url),
                 aiohttp.ClientSession() as session,
             ):
+                fleet = app[FLEET]
+                await wait_until(lambda: all(v.healthy for v in fleet.views()), what="2 workers")
                 admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
                 for headers, status in [
                     ({}, 401),
@@ -144,7 +146,12 @@ def test_admin_endpoints_need_the_admin_token() -> None:
                 assert all(w["healthy"] and not w["drained"] for w in dump["workers"])
                 assert dump["index"]["num_workers"] == 2
 
-                drained = specs[0].worker_id
+                # drain the worker that holds the prompt's blocks, which cache_aware prefers
+                body = {**BODY, "prompt": LONG_PROMPT}
+                async with session.post(
+                    url + "/v1/completions", json=body, headers=auth_headers("a")
+                ) as resp:
+                    drained = resp.headers["x-kvroute-worker"]
                 query = {"worker": drained}
                 async with session.post(
                     url + "/admin/workers/drain", params=query, headers=auth_headers("a")
@@ -154,9 +161,9 @@ def test_admin_endpoints_need_the_admin_token() -> None:
                     url + "/admin/workers/drain", params=query, headers=admin
                 ) as resp:
                     assert resp.status == 200 and (await resp.json())["drained"] is True
-                for _ in range(6):  # round trips through cache_aware: never the drained one
+                for _ in range(6):
                     async with session.post(
-                        url + "/v1/completions", json=BODY, headers=auth_headers("a")
+                        url + "/v1/completions", json=body, headers=auth_headers("a")
                     ) as resp:
                         assert resp.status == 200
                         assert resp.headers["x-kvroute-worker"] != drained
