@@ -5,12 +5,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from router.auth import Auth
-from router.config import RouterConfig
+from router.config import RouterConfig, load_config
 from router.errors import ApiError
 from router.tenant_limits import TenantLimiter
 from router.tenants import (
@@ -263,3 +265,30 @@ def test_limiter_state_only_for_configured_tenants_with_limits() -> None:
         limiter.admit(tenants["free"], 10**6).release()
     assert limiter.num_states() == 1
     assert key_hash("k1") == _sha("k1")
+
+
+def test_tenants_as_a_list_in_the_router_config_file(tmp_path: Path) -> None:
+    config_file = tmp_path / "router.yaml"
+    config_file.write_text(
+        'tenants:\n  - {tenant: a, key: "sk-a\'1", max_concurrency: 2}\n'
+        "  - tenant: b\n    key: sk-b\n"
+        f"tenant_secret: {SECRET.decode()}\n"
+    )
+    auth = Auth(load_config(env={}, config_file=config_file))
+    assert auth.table.authenticate("sk-a'1") is auth.tenant("a")
+    assert auth.table.authenticate("sk-b") is auth.tenant("b")
+
+
+def test_router_process_refuses_a_bad_tenants_file_with_a_clear_message(tmp_path: Path) -> None:
+    path = tmp_path / "tenants.yaml"
+    path.write_text("- {tenant: a, key: sk-do-not-print, max_concurrency: -1}\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "router.cli", "router", "--worker", "http://127.0.0.1:9",
+         "--port", "0", "--tenants-file", str(path), "--tenant-secret", SECRET.decode()],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"{path} entry 0: 'max_concurrency' must be a positive integer" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert "sk-do-not-print" not in done.stderr + done.stdout
+    assert SECRET.decode() not in done.stderr + done.stdout

@@ -9,6 +9,7 @@ the router derives replaces the client's, in the body and in the index's namespa
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 from pathlib import Path
@@ -260,15 +261,25 @@ def test_tenant_tokens_per_minute_answers_429_with_retry_after() -> None:
     run(main(), timeout_s=60)
 
 
-def test_tenant_salt_replaces_the_client_s_and_isolates_cache_hits() -> None:
+def test_tenant_salt_replaces_the_client_s_and_isolates_cache_hits(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    salts = [derive_cache_salt(SECRET.encode(), t, None) for t in KEYS]
+
     async def main() -> None:
         async with sim_fleet(2) as workers:
             config = _config([w.spec() for w in workers])
             async with running_router(config) as (app, url):
-                salt_of_a = derive_cache_salt(SECRET.encode(), "a", None)
-                await check_tenant_isolation(app, url, MODEL, LONG_PROMPT, BLOCK_SIZE, salt_of_a)
+                await check_tenant_isolation(app, url, MODEL, LONG_PROMPT, BLOCK_SIZE, salts[0])
 
-    run(main(), timeout_s=60)
+    with caplog.at_level(logging.DEBUG):
+        run(main(), timeout_s=60)
+    router_logs = "\n".join(
+        r.getMessage() for r in caplog.records if r.name.startswith(("router", "kvindex"))
+    )
+    assert "routable" in router_logs  # the router's own lines were captured
+    for secret in (SECRET, ADMIN_TOKEN, *KEYS.values(), *salts):
+        assert secret not in router_logs
 
 
 def test_a_sharing_group_shares_cache_hits() -> None:
