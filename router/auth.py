@@ -108,7 +108,11 @@ class Auth:
     async def run_reloads(self, interval_s: float) -> None:
         while True:
             await asyncio.sleep(interval_s)
-            self.maybe_reload()
+            try:
+                self.maybe_reload()
+            except Exception as exc:  # a bug here must not stop reloading
+                # NOTE: the type only; a message could quote the file (keys).
+                log.error("tenant reload failed: %s", type(exc).__name__)
 
     def _install(self, table: TenantTable) -> None:
         self.table = table

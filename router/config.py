@@ -198,7 +198,11 @@ OPTIONS: tuple[Option, ...] = (
         "(one file per tenant holding its key); re-read when it changes and on SIGHUP. "
         "Auth is off only when no tenants are configured",
     ),
-    Option("tenants", "str", "the same tenant entries as YAML/JSON text (for the env var)"),
+    Option(
+        "tenants",
+        "str",
+        "the same tenant entries as YAML/JSON text (KVROUTE_TENANTS), or a list in --config",
+    ),
     Option(
         "tenant_secret",
         "str",

@@ -129,23 +129,25 @@ def load_table(
 
 def read_path(path: Path) -> list[_Entry]:
     """Entries of a file, or of a directory (a mounted Kubernetes Secret)."""
-    try:
-        if path.is_dir():
-            return _read_dir(path)
-        return parse_entries(_parse_text(path.read_text(), str(path)), str(path))
-    except OSError as exc:
-        raise TenantConfigError(f"cannot read tenants from {path}: {exc.strerror}") from None
+    if path.is_dir():
+        return _read_dir(path)
+    return parse_entries(_parse_text(_read_text(path), str(path)), str(path))
 
 
 def _read_dir(path: Path) -> list[_Entry]:
     entries: list[_Entry] = []
-    for child in sorted(path.iterdir()):
+    try:
+        children = sorted(path.iterdir())
+    except OSError as exc:
+        raise TenantConfigError(f"cannot read tenants from {path}: {exc.strerror}") from None
+    for child in children:
         if child.name.startswith(".") or not child.is_file():
             continue  # the Secret volume's ..data / ..<timestamp> links, folders
+        text = _read_text(child)
         if child.suffix in _ENTRY_FILE_SUFFIXES:
-            entries += parse_entries(_parse_text(child.read_text(), str(child)), str(child))
+            entries += parse_entries(_parse_text(text, str(child)), str(child))
             continue
-        value = child.read_text().strip()
+        value = text.strip()
         item: dict[str, Any] = {"tenant": child.name}
         if value.startswith("sha256:"):
             item["key_sha256"] = value.removeprefix("sha256:")
@@ -153,6 +155,15 @@ def _read_dir(path: Path) -> list[_Entry]:
             item["key"] = value
         entries.append(_parse_entry(item, str(child)))
     return entries
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise TenantConfigError(f"cannot read tenants from {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise TenantConfigError(f"cannot read tenants from {path}: not UTF-8 text") from None
 
 
 def _parse_text(text: str, source: str) -> Any:

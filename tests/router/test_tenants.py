@@ -109,9 +109,12 @@ def test_bad_files_give_clear_errors_without_the_key(
     assert "key-sec" not in str(info.value)
 
 
-def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+def test_missing_or_binary_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(TenantConfigError, match=r"cannot read tenants from .*nope\.yaml"):
         load_table(SECRET, path=tmp_path / "nope.yaml")
+    (tmp_path / "acme").write_bytes(b"\xff\xfe key")
+    with pytest.raises(TenantConfigError, match="acme: not UTF-8 text"):
+        load_table(SECRET, path=tmp_path)
 
 
 def test_salts_per_tenant_per_group_and_per_secret() -> None:
