@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from router.app import FLEET, INDEX
 from router.config import RouterConfig, WorkerSpec
@@ -152,7 +153,9 @@ def test_admin_endpoints_need_the_admin_token() -> None:
                 async with session.post(
                     url + "/v1/completions", json=body, headers=auth_headers("a")
                 ) as resp:
-                    drained = resp.headers["x-kvroute-worker"]
+                    assert resp.status == 200
+                served = await _served_by_worker(session, specs, total=1)
+                drained = next(s.worker_id for s in specs if served[s.worker_id] == 1)
                 query = {"worker": drained}
                 async with session.post(
                     url + "/admin/workers/drain", params=query, headers=auth_headers("a")
@@ -167,7 +170,8 @@ def test_admin_endpoints_need_the_admin_token() -> None:
                         url + "/v1/completions", json=body, headers=auth_headers("a")
                     ) as resp:
                         assert resp.status == 200
-                        assert resp.headers["x-kvroute-worker"] != drained
+                served = await _served_by_worker(session, specs, total=7)
+                assert served[drained] == 1  # none of the 6 went to the drained worker
                 async with session.post(
                     url + "/admin/workers/undrain", params=query, headers=admin
                 ) as resp:
@@ -184,6 +188,30 @@ def test_admin_endpoints_need_the_admin_token() -> None:
                     assert resp.status == 404
 
     run(main(), timeout_s=60)
+
+
+async def _served_by_worker(
+    session: aiohttp.ClientSession, specs: list[WorkerSpec], *, total: int
+) -> dict[str, float]:
+    """Requests each simulated worker finished (its own /metrics), once they sum to
+    ``total``."""
+    served: dict[str, float] = {}
+
+    async def settled() -> bool:
+        for spec in specs:
+            async with session.get(spec.url + "/metrics") as resp:
+                text = await resp.text()
+            served[spec.worker_id] = sum(
+                sample.value
+                for family in text_string_to_metric_families(text)
+                if family.name == "vllm:request_success"
+                for sample in family.samples
+                if sample.name == "vllm:request_success_total"
+            )
+        return sum(served.values()) == total
+
+    await wait_until(settled, what=f"{total} requests finished by the workers")
+    return served
 
 
 def test_admin_endpoints_refuse_when_keys_exist_but_no_admin_token() -> None:
