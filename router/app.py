@@ -5,9 +5,9 @@ Shared state lives under typed ``web.AppKey``s. Each resource has its own
 the client session, the pool of upstream connections for proxied requests, the event
 subscriptions, discovery, the health checker.
 
-Auth seam: ``create_app(config, middlewares=[...])`` puts extra request middlewares
-after the error middleware (so their ``ApiError``s render as OpenAI JSON) and before
-the handlers; an auth middleware sets ``TENANT_KEY`` on the request.
+Middlewares: the error middleware first (every ``ApiError`` renders as OpenAI JSON),
+then ``router.auth`` (API keys -> ``TENANT_KEY``, the admin token on ``/admin/``), then
+any extra ``create_app(config, middlewares=[...])``, then the handlers.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from kvindex.index import PrefixIndex, WorkerId
+from router.admin import Admin
 from router.admission import AdmissionQueue
+from router.auth import Auth, tenant_reloads
 from router.cache_report import CacheReporter
 from router.cache_report import running as cache_report_running
 from router.config import RouterConfig
@@ -54,6 +56,7 @@ UPSTREAM = web.AppKey("upstream", UpstreamPool)
 SUBSCRIPTIONS = web.AppKey("subscriptions", SubscriptionManager)
 LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
 CACHE_REPORT = web.AppKey("cache_report", CacheReporter)
+AUTH = web.AppKey("auth", Auth)
 
 _STARTED_AT = int(time.time())
 
@@ -64,9 +67,15 @@ def create_app(
     middlewares: Sequence[Middleware] = (),
     discovery: Discovery | None = None,
 ) -> web.Application:
-    """Build the router app; nothing starts until the app runs (cleanup contexts)."""
+    """Build the router app; nothing starts until the app runs (cleanup contexts).
+
+    Raises ``TenantConfigError`` (a ``ValueError``) on a bad tenants source or secret.
+    """
+    metrics = RouterMetrics()
+    auth = Auth(config, on_reject=lambda reason: metrics.rejected.labels(reason=reason).inc())
     app = web.Application(
-        client_max_size=config.max_body_bytes, middlewares=[error_middleware, *middlewares]
+        client_max_size=config.max_body_bytes,
+        middlewares=[error_middleware, auth.middleware, *middlewares],
     )
     index = PrefixIndex()
     tokenizers = TokenizerRegistry(config.tokenizers, config.default_tokenizer)
@@ -76,7 +85,6 @@ def create_app(
         create_policy(config.policy, config.policy_params),
         prediction_ttl_s=config.prediction_ttl_s,
     )
-    metrics = RouterMetrics()
     queue = AdmissionQueue(config.queue_size, config.queue_timeout_s, metrics.queue_depth.set)
     fleet.add_listener(queue.notify)
     fleet.add_removal_listener(scheduler.forget_worker)
@@ -96,6 +104,7 @@ def create_app(
         cache_report=CacheReporter(config.cache_report_sample_rate),
         tracer=RequestTracer.from_config(config),
         request_log=config.request_log,
+        auth=auth,
     )
     metrics.add_fleet_collector(
         fleet.views, lambda w: index.num_blocks_of(WorkerId(w)), proxy.hits.ratio
@@ -107,14 +116,23 @@ def create_app(
     app[METRICS] = metrics
     app[PROXY] = proxy
     app[LIFECYCLE] = Lifecycle()
+    app[AUTH] = auth
     app[DISCOVERY] = discovery or discovery_from_config(config)
     app[CACHE_REPORT] = proxy.cache_report
     app.cleanup_ctx.extend(
-        [_client_session, _upstream_pool, _subscriptions, _discovery, _health_checker]
+        [
+            _client_session,
+            _upstream_pool,
+            _subscriptions,
+            _discovery,
+            _health_checker,
+            _tenant_reloads,
+        ]
     )
     app.cleanup_ctx.extend([_cache_report, _tracer])
     _add_routes(app)
     add_dashboard(app, metrics, fleet.views, lambda w: index.num_blocks_of(WorkerId(w)))
+    app.router.add_routes(Admin(fleet, index, resync, queue.notify).routes())
     return app
 
 
@@ -244,6 +262,10 @@ async def _discovery(app: web.Application) -> AsyncIterator[None]:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+def _tenant_reloads(app: web.Application) -> AsyncIterator[None]:
+    return tenant_reloads(app[AUTH], app[CONFIG].discovery_interval_s)
 
 
 async def _health_checker(app: web.Application) -> AsyncIterator[None]:

@@ -87,16 +87,18 @@ def option(
     factory: Callable[[], Any] | None = None,
     minimum: float | None = None,
     choices: tuple[str, ...] | None = None,
+    secret: bool = False,
 ) -> Any:
     """A ``RouterConfig`` field that is also a command-line flag, an env var and a file key.
 
     The option's kind (how text is converted) follows from the field's annotation;
-    ``minimum`` rejects smaller numbers and ``choices`` other strings at load time.
+    ``minimum`` rejects smaller numbers and ``choices`` other strings at load time; a
+    ``secret`` is left out of the config's repr (so of logs and tracebacks).
     """
     metadata = {"help": help, "minimum": minimum, "choices": choices}
     if factory is not None:
-        return field(default_factory=factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
+        return field(default_factory=factory, metadata=metadata, repr=not secret)
+    return field(default=default, metadata=metadata, repr=not secret)
 
 
 @dataclass(slots=True)
@@ -195,7 +197,30 @@ class RouterConfig:
     session_header: str = option(
         "x-session-id", "header carrying the session key (else the 'user' field)"
     )
-    salt_by_tenant: bool = option(False, "set cache_salt from the authenticated tenant")
+    tenants_file: str | None = option(
+        None,
+        "API keys of tenants: a YAML/JSON file (list of {tenant, key | key_sha256, "
+        "sharing_group, max_concurrency, tokens_per_minute}) or a mounted Secret directory "
+        "(one file per tenant holding its key); re-read when it changes and on SIGHUP. "
+        "Auth is off only when no tenants are configured",
+    )
+    tenants: str | None = option(
+        None,
+        "the same tenant entries as YAML/JSON text (KVROUTE_TENANTS), or a list in --config",
+        secret=True,
+    )
+    tenant_secret: str | None = option(
+        None,
+        "server secret the tenants' cache salts derive from (required with tenants; "
+        "at least 16 bytes; prefer --tenant-secret-file)",
+        secret=True,
+    )
+    tenant_secret_file: str | None = option(None, "file holding the tenant secret")
+    admin_token: str | None = option(
+        None, "bearer token for the admin endpoints (/admin/...)", secret=True
+    )
+    admin_token_file: str | None = option(None, "file holding the admin token")
+    metrics_need_admin: bool = option(False, "serve /metrics only with the admin token")
     drain_timeout_s: float = option(
         30.0,
         "on SIGTERM, seconds in-flight requests may take to finish (/ready is 503 meanwhile)",
@@ -375,7 +400,8 @@ def _convert(opt: Option, value: Any) -> Any:
 
 def _convert_kind(kind: str, value: Any) -> Any:
     if kind == "str":
-        return str(value)
+        # A structured value (a list in a YAML config file) stays parseable as JSON text.
+        return json.dumps(value) if isinstance(value, list | dict) else str(value)
     if kind == "int":
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
             raise ValueError("expected an integer")

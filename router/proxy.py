@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -43,14 +43,20 @@ from router.request_log import REQUEST_RECORD, RequestRecord, log_request
 from router.requests import ParsedRequest, RequestKind, first_prompt, parse_request
 from router.scheduling.scheduler import Scheduler
 from router.scheduling.types import Decision, RoutingRequest
+from router.tenant_limits import TenantLease
+from router.tenants import Tenant
 from router.tokenization import ModelTokenizer, TokenizationError
 from router.tracing import RequestTracer
 from router.upstream import Attempt, RetryableError, forward
 from router.upstream_http import UpstreamPool
 
+if TYPE_CHECKING:
+    from router.auth import Auth
+
 log = logging.getLogger(__name__)
 
-TENANT_KEY = web.RequestKey("kvroute_tenant", str)  # set by auth middleware (later issue)
+TENANT_KEY = web.RequestKey("kvroute_tenant", str)  # tenant id, set by ``router.auth``
+_TENANT_LEASE = web.RequestKey("kvroute_tenant_lease", TenantLease)
 _PATHS: dict[RequestKind, str] = {
     "completion": "/v1/completions",
     "chat": "/v1/chat/completions",
@@ -82,6 +88,7 @@ class Proxy:
     cache_report: CacheReporter = field(default_factory=lambda: CacheReporter(0.0))
     tracer: RequestTracer | None = None  # None: tracing off, no span is made
     request_log: bool = True  # one log line per request
+    auth: Auth | None = None  # tenants: cache salt and limits
 
     async def handle(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
         record = RequestRecord.start(request, kind)
@@ -112,12 +119,10 @@ class Proxy:
         except web.HTTPRequestEntityTooLarge as exc:
             raise ApiError(413, f"Request body too large: {exc.text}") from None
         parsed = parse_request(kind, raw, request.headers.get(self.config.session_header))
-        tenant = request.get(TENANT_KEY)
         record = request[REQUEST_RECORD]
-        record.model, record.tenant = parsed.model, tenant
+        record.model, record.tenant = parsed.model, request.get(TENANT_KEY)
         self._check_model(parsed.model)
-        if tenant is not None and self.config.salt_by_tenant:
-            parsed.set_field("cache_salt", tenant)
+        tenant = self._apply_tenant(request, parsed)
         started_ns = time.time_ns()
         routing = self._routing_request(parsed)
         record.tokenize_ns = (started_ns, time.time_ns())
@@ -126,14 +131,50 @@ class Proxy:
             options["include_usage"] = True
             parsed.set_field("stream_options", options)
         payload = parsed.encode(raw)
-        started_ns = time.time_ns()
-        decision = await self.queue.admit(lambda: self._pick(routing, ()))
-        record.admission_ns = (started_ns, time.time_ns())
-        if self.cache_report.enabled:
-            self._offer_to_cache_report(tenant, routing, decision)
-        return await self._forward_with_retries(request, parsed, routing, payload, decision)
+        lease = self._admit_tenant(request, tenant, len(routing.prompt_token_ids))
+        try:
+            started_ns = time.time_ns()
+            decision = await self.queue.admit(lambda: self._pick(routing, ()))
+            record.admission_ns = (started_ns, time.time_ns())
+            if self.cache_report.enabled:
+                self._offer_to_cache_report(record.tenant, routing, decision)
+            return await self._forward_with_retries(request, parsed, routing, payload, decision)
+        finally:
+            if lease is not None:
+                lease.release()
 
     # --- steps ------------------------------------------------------------------------
+
+    def _apply_tenant(self, request: web.Request, parsed: ParsedRequest) -> Tenant | None:
+        """The authenticated tenant's cache salt replaces whatever the client sent.
+
+        NOTE: the body field feeds both the worker and the router's block-hash namespace
+        (``_routing_request``), so a client can neither reach another tenant's blocks
+        nor make the router predict them. Anonymous requests (auth off) keep theirs.
+        """
+        tenant_id = request.get(TENANT_KEY)
+        if tenant_id is None:
+            return None
+        tenant = self.auth.tenant(tenant_id) if self.auth is not None else None
+        if tenant is None:  # removed by a reload since the middleware saw its key
+            raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key",
+                           error_type="invalid_request_error")  # fmt: skip
+        parsed.set_field("cache_salt", tenant.cache_salt)
+        return tenant
+
+    def _admit_tenant(
+        self, request: web.Request, tenant: Tenant | None, num_prompt_tokens: int
+    ) -> TenantLease | None:
+        """The tenant's concurrency and token budget (429 with Retry-After beyond)."""
+        if tenant is None or self.auth is None:
+            return None
+        try:
+            lease = self.auth.admit(tenant, num_prompt_tokens)
+        except ApiError as exc:
+            self.metrics.rejected.labels(reason=exc.code or "tenant_limit").inc()
+            raise
+        request[_TENANT_LEASE] = lease
+        return lease
 
     def _check_model(self, model: str) -> None:
         if self.fleet.serves(model):
@@ -242,6 +283,9 @@ class Proxy:
                 self._finish(attempt, ok=False)
                 raise
             self._finish(attempt, ok=attempt.ok)
+            lease = request.get(_TENANT_LEASE)
+            if lease is not None:  # the completion's share of the tenant's budget
+                lease.charge_completion(attempt.completion_tokens)
             return response
         status = 504 if "timeout" in last_error else 502
         raise ApiError(

@@ -23,14 +23,14 @@ def test_precedence_flags_over_env_over_file_over_defaults(tmp_path: Path) -> No
         "port: 9001\npolicy: least_load\nqueue_size: 7\nidle-timeout-s: 3.5\n"
         "workers:\n  - url: http://127.0.0.1:1\n    agent_url: http://127.0.0.1:2\n"
     )
-    env = {"KVROUTE_POLICY": "random", "KVROUTE_QUEUE_SIZE": "8", "KVROUTE_SALT_BY_TENANT": "1"}
+    env = {"KVROUTE_POLICY": "random", "KVROUTE_QUEUE_SIZE": "8", "KVROUTE_METRICS_NEED_ADMIN": "1"}
     args = _parse(["--config", str(config_file), "--queue-size", "9"])
     config = load_config(args, env)
     assert config.port == 9001  # file
     assert config.policy == "random"  # env beats file
     assert config.queue_size == 9  # flag beats env
     assert config.idle_timeout_s == 3.5  # file key with dashes
-    assert config.salt_by_tenant is True
+    assert config.metrics_need_admin is True
     assert config.first_byte_timeout_s == RouterConfig().first_byte_timeout_s  # default
     assert config.workers == [WorkerSpec("http://127.0.0.1:1", agent_url="http://127.0.0.1:2")]
 
@@ -100,7 +100,7 @@ def test_help_explains_every_option(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("env", "message"),
     [
-        ({"KVROUTE_SALT_BY_TENANT": "maybe"}, "salt_by_tenant"),
+        ({"KVROUTE_METRICS_NEED_ADMIN": "maybe"}, "metrics_need_admin"),
         ({"KVROUTE_QUEUE_SIZE": "-1"}, "queue_size"),
         ({"KVROUTE_CONNECT_TIMEOUT_S": "0"}, "connect_timeout_s"),
         ({"KVROUTE_PORT": "80.5"}, "port"),
@@ -115,7 +115,7 @@ def test_invalid_values_are_rejected_not_defaulted(env: dict[str, str], message:
 
 @pytest.mark.parametrize(("text", "expected"), [("yes", True), ("OFF", False), ("1", True)])
 def test_booleans_accept_the_usual_spellings(text: str, expected: bool) -> None:
-    assert load_config(None, {"KVROUTE_SALT_BY_TENANT": text}).salt_by_tenant is expected
+    assert load_config(None, {"KVROUTE_METRICS_NEED_ADMIN": text}).metrics_need_admin is expected
 
 
 def test_every_field_is_an_option_with_help() -> None:

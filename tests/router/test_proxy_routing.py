@@ -1,14 +1,11 @@
-"""Router-owned request fields: session keys (header or ``user``) and the tenant's
-cache salt through the auth seam (an app middleware that sets ``TENANT_KEY``)."""
+"""Router-owned request fields: session keys (header or ``user``) and the authenticated
+tenant's cache salt."""
 
 from __future__ import annotations
 
 import aiohttp
-from aiohttp import web
 
-from router.app import create_app, start_server
-from router.errors import Handler
-from router.proxy import TENANT_KEY
+from router.tenants import derive_cache_salt
 from tests.router.fakes import (
     MODEL,
     FakeBehaviour,
@@ -16,7 +13,6 @@ from tests.router.fakes import (
     router_config,
     run,
     running_router,
-    wait_ready,
 )
 
 BODY = {"model": MODEL, "prompt": "a prompt long enough " * 4, "max_tokens": 1}
@@ -45,29 +41,22 @@ def test_session_key_from_header_or_user_pins_a_session_to_one_worker() -> None:
     run(main())
 
 
-def test_tenant_from_the_auth_seam_sets_cache_salt() -> None:
-    @web.middleware
-    async def fake_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        request[TENANT_KEY] = request.headers.get("x-test-tenant", "anonymous")
-        return await handler(request)
+def test_the_authenticated_tenant_s_salt_replaces_the_client_s() -> None:
+    secret = "s" * 32
 
     async def main() -> None:
         async with fake_workers(FakeBehaviour()) as (worker,):
-            config = router_config([worker], salt_by_tenant=True)
-            runner, url = await start_server(
-                create_app(config, middlewares=[fake_auth]), "127.0.0.1", 0
+            config = router_config(
+                [worker], tenants="[{tenant: acme, key: key-of-acme}]", tenant_secret=secret
             )
-            try:
-                await wait_ready(url)
-                async with aiohttp.ClientSession() as session:
-                    headers = {"x-test-tenant": "acme"}
-                    body = {**BODY, "cache_salt": "client-chosen"}
-                    async with session.post(url + "/v1/completions", json=body, headers=headers):
-                        pass
-                assert worker.bodies[0]["cache_salt"] == "acme"  # the router owns it
-                assert worker.bodies[0]["prompt"] == BODY["prompt"]
-            finally:
-                await runner.cleanup()
+            async with running_router(config) as (_, url), aiohttp.ClientSession() as session:
+                headers = {"Authorization": "Bearer key-of-acme"}
+                body = {**BODY, "cache_salt": "client-chosen"}
+                async with session.post(url + "/v1/completions", json=body, headers=headers):
+                    pass
+            expected = derive_cache_salt(secret.encode(), "acme", None)
+            assert worker.bodies[0]["cache_salt"] == expected  # the router owns it
+            assert worker.bodies[0]["prompt"] == BODY["prompt"]
 
     run(main())
 
