@@ -183,7 +183,7 @@ class SubscriptionManager:
                 if worker.spec.agent_url is not None:
                     await self._run_agent(worker.spec.agent_url, feed)
                 else:
-                    await ZmqSubscription(self._session, self._zmq, worker, feed, self._fleet).run()
+                    await ZmqSubscription(self._session, self._zmq, worker.spec.url, feed).run()
                 attempt = 0
             except asyncio.CancelledError:
                 raise
