@@ -298,6 +298,13 @@ def replay_request(start_seq: int) -> list[bytes]:
     return [b"", start_seq.to_bytes(8, "big", signed=True)]
 
 
+def replay_reply_body(reply: Sequence[bytes]) -> Sequence[bytes]:
+    """A replay ROUTER's answer ``[b"", topic, seq, payload]`` as ``[topic, seq, payload]``
+    (the empty delimiter a DEALER receives is dropped; a reply without one, or of another
+    length, is returned as it is, so ``seq_of_frames`` judges it)."""
+    return reply[1:] if len(reply) == 4 and reply[0] == b"" else reply
+
+
 def engine_hash(raw: RawBlockHash) -> EngineBlockHash:
     """Normalise an engine hash as vLLM does for int hashes: big-endian, low 64 bits."""
     if isinstance(raw, bytes):

@@ -29,7 +29,7 @@ import aiohttp
 import zmq.asyncio
 
 from kvindex.agent_protocol import Epoch, LoadReport, StreamSeq
-from kvindex.index import PrefixIndex, WorkerId
+from kvindex.index_types import Index, WorkerId
 from kvindex.protocol import BlockStored, EventBatch
 from router.fleet import Fleet, FleetWorker
 from router.metrics import RouterMetrics
@@ -44,7 +44,7 @@ class IndexFeed:
     """Applies one worker's events to the index (the handler of its subscription)."""
 
     def __init__(
-        self, worker_id: WorkerId, index: PrefixIndex, fleet: Fleet, metrics: RouterMetrics
+        self, worker_id: WorkerId, index: Index, fleet: Fleet, metrics: RouterMetrics
     ) -> None:
         self.worker_id = worker_id
         self._index = index
@@ -116,7 +116,7 @@ class SubscriptionManager:
     def __init__(
         self,
         session: aiohttp.ClientSession,
-        index: PrefixIndex,
+        index: Index,
         fleet: Fleet,
         metrics: RouterMetrics,
         agent_token: str | None,

@@ -36,12 +36,13 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvindex.index import WorkerId
+from kvindex.index_types import WorkerId
 from kvindex.protocol import (
     SEQ_END_MARKER,
     EventBatch,
     EventDecodeError,
     decode_batch,
+    replay_reply_body,
     replay_request,
     seq_of_frames,
 )
@@ -183,8 +184,7 @@ class ZmqSubscription:
             await dealer.send_multipart(replay_request(start_seq))
             async with asyncio.timeout(_REPLAY_TIMEOUT_S):
                 while len(batches) < _MAX_REPLAYED_BATCHES:
-                    frames = await dealer.recv_multipart()
-                    body = frames[1:] if frames and frames[0] == b"" else frames
+                    body = replay_reply_body(await dealer.recv_multipart())
                     seq = seq_of_frames(body)
                     if seq == SEQ_END_MARKER:
                         return batches

@@ -52,7 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from kvindex.index import Overlap
+from kvindex.index_types import Overlap
 from router.scheduling.rates import WorkerRates
 from router.scheduling.types import WorkerLoad
 

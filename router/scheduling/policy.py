@@ -23,7 +23,7 @@ from itertools import compress
 from typing import Protocol
 
 from kvindex.hashing import BlockHash, Namespace, hash_prompt
-from kvindex.index import Overlap, PrefixIndex
+from kvindex.index_types import Index, Overlap
 from router.scheduling.cost_model import DEFAULT_TIER_COSTS, TierCosts
 from router.scheduling.rates import RateLearner
 from router.scheduling.types import Decision, RoutingRequest, WorkerId, WorkerView
@@ -94,7 +94,7 @@ class PickContext:
         request: RoutingRequest,
         candidates: Sequence[WorkerView],
         *,
-        index: PrefixIndex,
+        index: Index,
         rates: RateLearner,
         rng: random.Random,
         now: float,

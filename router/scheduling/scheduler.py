@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 
 from kvindex.hashing import Namespace, PrefixChainCache
-from kvindex.index import PrefixIndex
+from kvindex.index_types import Index
 from router.scheduling.cost_model import (
     TierCosts,
     decode_batch,
@@ -49,7 +49,7 @@ class Scheduler:
 
     def __init__(
         self,
-        index: PrefixIndex,
+        index: Index,
         policy: Policy,
         *,
         prediction_ttl_s: float = 2.0,

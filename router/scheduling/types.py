@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvindex.hashing import BlockHash, Namespace
-from kvindex.index import WorkerId
+from kvindex.index_types import WorkerId
 
 __all__ = ["Decision", "RoutingRequest", "WorkerId", "WorkerLoad", "WorkerView"]
 

@@ -33,6 +33,7 @@ from kvindex.protocol import (
     EventBatch,
     EventDecodeError,
     decode_batch,
+    replay_reply_body,
     replay_request,
     seq_of_frames,
 )
@@ -161,8 +162,7 @@ class EngineSubscriber:
                 if not await dealer.poll(REPLAY_REPLY_TIMEOUT_MS):
                     outcome = "failed"
                     break
-                reply = await dealer.recv_multipart()
-                frames = reply[1:] if reply and reply[0] == b"" else reply
+                frames = replay_reply_body(await dealer.recv_multipart())
                 seq = seq_of_frames(frames)
                 if seq is None:
                     self._metrics.decode_errors.labels(kind="frame").inc()

@@ -33,7 +33,7 @@ import math
 from collections.abc import Mapping
 
 from kvindex.hashing import Namespace
-from kvindex.index import Overlap
+from kvindex.index_types import Overlap
 from router.scheduling.cost_model import (
     DEFAULT_TIER_COSTS,
     SHARE_SMOOTHING,
