@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_MS: Final = 100
 REPLAY_REPLY_TIMEOUT_MS: Final = 2_000
+# Payload digests kept to tell a duplicate from a restart: the agent only compares seqs
+# a replay overlapped, never a whole history (the router's direct subscription does).
+MAX_REMEMBERED_DIGESTS: Final = 4096
 
 
 class EngineSubscriber:
@@ -66,7 +69,7 @@ class EngineSubscriber:
         # NOTE: the process-wide context: many agents in one process (a simulated fleet)
         # share its I/O thread instead of one each. Never terminated here.
         self._context = zmq.asyncio.Context.instance()
-        self._tracker = SequenceTracker()  # engine seqs of this epoch
+        self._tracker = SequenceTracker(MAX_REMEMBERED_DIGESTS)  # engine seqs, this epoch
 
     async def run(self) -> None:
         """Consume until cancelled. Never raises on engine misbehaviour."""
