@@ -31,6 +31,7 @@ import zmq.asyncio
 from kvindex.agent_protocol import Epoch, LoadReport, StreamSeq
 from kvindex.index_types import Index, WorkerId
 from kvindex.protocol import BlockStored, EventBatch
+from router.agent_client import AgentClient
 from router.fleet import Fleet, FleetWorker
 from router.metrics import RouterMetrics
 from router.zmq_subscription import ZmqSubscription
@@ -194,7 +195,5 @@ class SubscriptionManager:
             await asyncio.sleep(delay)
 
     async def _run_agent(self, agent_url: str, feed: IndexFeed) -> None:
-        from router.agent_client import AgentClient
-
         client = AgentClient(self._session, agent_url, self._agent_token, feed)
         await client.run()
