@@ -16,13 +16,16 @@ Rules (``last``: the seq applied last in this life, None when nothing was;
 - a live message at or below the previous *live* seq of this connection: RESYNC (a PUB
   socket never repeats a seq, so only a new engine sends one again);
 - a live message at or below ``last`` (it came first by replay): DROP when its digest
-  is the one applied at that seq, else RESYNC (another engine's batch);
+  is the one applied at that seq, else RESYNC (another engine's batch; a digest no
+  longer remembered counts as another's here, and as agreeing in ``on_history``);
 - a replayed message below ``expected`` or at/after ``stop_before``: DROP; at
   ``expected``: APPLY; past it: SKIP_AHEAD (the source's buffer lost the ones between);
 - a replayed history that disagrees with what was applied (a digest differs, or it
   ends before ``last``): RESYNC (``on_history``; the engine restarted while the
   consumer was away).
 
+Internal updates: ``on_live`` and ``on_replayed`` record the seq when they answer
+APPLY or SKIP_AHEAD (the caller must then apply it); ``accept`` records after a REPLAY.
 After RESYNC the tracker has forgotten this life: the caller purges what it applied
 and offers the same message again, which then reads as the first of a new life.
 
