@@ -1,25 +1,14 @@
 """The global prefix index: which worker holds which blocks, in which tier.
 
-Structure (all maps named ``x_to_y``):
+Composition: ``kvindex.block_map.BlockMap`` owns the slots, the per-tier block masks,
+the per-worker engine-hash maps and the predictions, with the one insert/remove path
+and ``check_invariants`` (its docstring states the structure and the invariants).
+``PrefixIndex`` interprets events (tier, parent, re-hash), keeps the clock and the
+counters of events and errors, and runs the lookup walk (``kvindex.index_walk``) over
+the block map's layers, which it reads and never writes.
 
-- every worker gets a small *slot* number and a one-bit mask ``1 << slot``;
-- per tier (GPU, CPU, DISK) one dict ``block_to_mask`` from our ``BlockHash`` to the
-  OR of the bits of the workers holding that block in that tier;
-- per worker and tier ``engine_to_block``: the engine's hash -> our hash, so that
-  ``BlockRemoved`` (which carries engine hashes only) applies; duplicates are
-  reference-counted in two small side maps (see ``WorkerState``).
-
-Invariants (``check_invariants`` verifies them all):
-
-- bit ``w`` is set in ``block_to_mask[tier][h]`` iff worker ``w`` has a live engine hash
-  mapping to ``h`` in that tier; no mask is ever 0;
-- predictions are records, one per ``predict`` call (``kvindex.index_predictions``,
-  which states their semantics): a block is predicted on a worker while a live
-  record covers it, the worker does not hold it for real, and has not removed it
-  since the record was made; every prediction expires after the largest
-  ``now`` seen so far;
-- counters (``num_blocks`` per worker and in total, predictions, events, errors) are
-  kept incrementally and equal what a full recount gives.
+Invariants beyond the block map's: every prediction expires after the largest ``now``
+seen so far; ``events_applied`` and ``errors_by_kind`` count every call.
 
 Costs: ``lookup`` walks the query once, one dict probe per tier in use per block,
 stopping when no worker is left: O(len(hashes)). ``apply(BlockStored)`` is O(tokens)
@@ -34,19 +23,28 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import cast
+from typing import Self
 
-from kvindex.hashing import BlockHash, EngineBlockHash, Namespace, chain_hashes
-from kvindex.index_state import IndexState, WorkerState
+import msgspec
+
+from kvindex.block_map import BlockMap, WorkerState
+from kvindex.hashing import BlockHash, Namespace, chain_hashes
 from kvindex.index_types import (
     INT_OBJECT_BYTES,
     MAX_CACHED_ROOTS,
     NUM_TIERS,
+    SNAPSHOT_VERSION,
+    ErrorKind,
+    Index,
+    IndexSnapshot,
     IndexStats,
+    Overlap,
     Tier,
+    WorkerId,
+    namespace_from_fields,
     tier_of_medium,
 )
-from kvindex.index_walk import Overlap, WorkerId, walk_gpu_only, walk_tiered
+from kvindex.index_walk import walk_gpu_only, walk_tiered
 from kvindex.protocol import (
     AllBlocksCleared,
     BlockRemoved,
@@ -62,6 +60,7 @@ from kvindex.protocol import (
 _ABSENT = float("inf")
 
 __all__ = [
+    "Index",
     "IndexStats",
     "Overlap",
     "PrefixIndex",
@@ -71,10 +70,37 @@ __all__ = [
 ]
 
 
-class PrefixIndex(IndexState):
+class PrefixIndex:
     """Which workers hold which leading blocks of a prompt. See the module docstring."""
 
-    # --- public API: workers (adding and removing them: IndexState) -----------------
+    def __init__(self) -> None:
+        self._blocks = BlockMap()  # the maps; the only writer of them
+        # NOTE: aliases of the block map's containers (never replaced there), so the
+        # lookup and the event paths reach them without a second attribute hop.
+        self._layers = self._blocks.layers
+        self._predictions = self._blocks.predictions
+        self._slot_to_worker = self._blocks.slot_to_worker
+        self._workers = self._blocks.worker_to_state
+        self._now = float("-inf")  # largest `now` seen
+        self._events_applied = 0
+        self._errors: dict[str, int] = {}
+
+    # --- public API: workers --------------------------------------------------------
+
+    def add_worker(self, worker: WorkerId, namespace: Namespace) -> None:
+        """Register ``worker`` with its base namespace (no LoRA, no salt).
+
+        Re-adding with another namespace drops what it held (its hashes mean nothing now).
+        """
+        self._blocks.add_worker(worker, namespace)
+
+    def remove_worker(self, worker: WorkerId) -> None:
+        """Forget ``worker`` entirely. O(its blocks). Unknown workers are ignored."""
+        self._blocks.remove_worker(worker)
+
+    def clear_worker(self, worker: WorkerId) -> None:
+        """Drop every block ``worker`` holds, real and predicted. O(its blocks)."""
+        self._blocks.clear_worker(worker)
 
     def workers(self) -> list[WorkerId]:
         return list(self._workers)
@@ -91,7 +117,7 @@ class PrefixIndex(IndexState):
     def num_predicted_of(self, worker: WorkerId) -> int:
         """Blocks ``worker`` holds only predicted. O(its prediction entries)."""
         state = self._workers.get(worker)
-        return 0 if state is None else self._num_live_predictions(state)
+        return 0 if state is None else self._blocks.num_live_predictions(state)
 
     # --- public API: events -------------------------------------------------------
 
@@ -157,14 +183,14 @@ class PrefixIndex(IndexState):
         and a worker's run length is recorded when its bit drops.
         """
         self._expire(now)
-        if not hashes or not self._all_mask:
+        all_mask = self._blocks.all_mask
+        if not hashes or not all_mask:
             return {}
         gpu, cpu, disk = self._layers
         predictions = self._predictions
         if not (cpu or disk or predictions.mask):
-            return walk_gpu_only(hashes, gpu, self._all_mask, self._slot_to_worker)
-        all_mask, slot_to_worker = self._all_mask, self._slot_to_worker
-        return walk_tiered(hashes, self._layers, predictions, all_mask, slot_to_worker)
+            return walk_gpu_only(hashes, gpu, all_mask, self._slot_to_worker)
+        return walk_tiered(hashes, self._layers, predictions, all_mask, self._slot_to_worker)
 
     def stats(self) -> IndexStats:
         """Counters as of the largest ``now`` seen. O(workers + prediction entries)."""
@@ -176,9 +202,9 @@ class PrefixIndex(IndexState):
         for record in self._predictions.records():
             containers.append(record.blocks)
         return IndexStats(
-            num_blocks=self._num_blocks,
+            num_blocks=self._blocks.num_blocks,
             num_distinct_blocks=sum(len(layer) for layer in self._layers),
-            num_predicted=sum(map(self._num_live_predictions, self._workers.values())),
+            num_predicted=sum(map(self._blocks.num_live_predictions, self._workers.values())),
             num_workers=len(self._workers),
             bytes_estimate=sum(sys.getsizeof(c) for c in containers) + num_keys * INT_OBJECT_BYTES,
             events_applied=self._events_applied,
@@ -188,6 +214,42 @@ class PrefixIndex(IndexState):
     def expire(self, now: float) -> None:
         """Drop predictions that expire at or before ``now`` (other calls do it too)."""
         self._expire(now)
+
+    # --- public API: snapshot and invariants ------------------------------------------
+
+    def snapshot(self) -> bytes:
+        """Everything needed to rebuild an equal index (msgpack). O(blocks)."""
+        errors = dict(self._errors)
+        workers = self._blocks.worker_snapshots()
+        snap = IndexSnapshot(SNAPSHOT_VERSION, self._now, self._events_applied, errors, workers)
+        return msgspec.msgpack.encode(snap)
+
+    @classmethod
+    def restore(cls, data: bytes) -> Self:
+        """The index ``snapshot()`` captured; ValueError if ``data`` is not one."""
+        try:
+            snap = msgspec.msgpack.decode(data, type=IndexSnapshot)
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"not an index snapshot: {exc}") from None
+        if snap.version != SNAPSHOT_VERSION:
+            raise ValueError(f"snapshot version {snap.version}, expected {SNAPSHOT_VERSION}")
+        index = cls()
+        index._now = snap.now
+        index._events_applied = snap.events_applied
+        index._errors = dict(snap.errors_by_kind)
+        for worker in snap.workers:
+            namespace = namespace_from_fields(worker.namespace)
+            index._blocks.restore_worker(worker, namespace, index._now)
+        return index
+
+    def check_invariants(self) -> None:
+        """Recount everything (``BlockMap.check_invariants``). Raises AssertionError."""
+        blocks = self._blocks
+        aliases = (self._layers, self._predictions, self._slot_to_worker, self._workers)
+        owned = (blocks.layers, blocks.predictions, blocks.slot_to_worker, blocks.worker_to_state)
+        if any(a is not b for a, b in zip(aliases, owned, strict=True)):
+            raise AssertionError("PrefixIndex invariant broken: stale alias of the block map")
+        blocks.check_invariants(self._now)
 
     # --- internal: events ---------------------------------------------------------
 
@@ -234,56 +296,30 @@ class PrefixIndex(IndexState):
         except (OverflowError, TypeError, ValueError):
             self._count_error("bad_event")
             return
-        # NOTE: typed by value so the hot loop needs no NewType call per block.
-        engine_to_block = cast("dict[int, BlockHash]", state.engine_to_block[tier])
-        layer = self._layers[tier]
-        bit = state.bit
-        added = 0
-        for raw, h in zip(event.block_hashes, hashes, strict=True):
-            e = raw if type(raw) is int else engine_hash(raw)
-            if e not in engine_to_block:
-                mask = layer.get(h, 0)
-                if not mask & bit:  # fast path: a new block for this worker
-                    engine_to_block[e] = h
-                    layer[h] = (mask | bit) if mask else bit
-                    added += 1
-                    continue
-            self._store_duplicate(state, tier, EngineBlockHash(e), h)
-        # A prediction of these blocks is now inert: the walk counts the real tier.
-        state.num_blocks += added
-        self._num_blocks += added
+        conflicts = self._blocks.store_blocks(state, tier, event.block_hashes, hashes)
+        if conflicts:
+            self._count_error("hash_conflict", conflicts)
 
     def _apply_removed(self, state: WorkerState, event: BlockRemoved) -> None:
         tier = tier_of_medium(event.medium)
         if tier is None:
             self._count_error("unknown_medium")
             return
-        engine_to_block = state.engine_to_block[tier]
-        for raw in event.block_hashes:
-            e = EngineBlockHash(raw if type(raw) is int else engine_hash(raw))
-            h = engine_to_block.get(e)
-            if h is None:
-                self._count_error("unknown_block")
-                continue
-            if self._predictions.mask & state.bit:  # a prediction of h must not outlive h
-                self._predictions.punch(state.slot, h)
-            key = (tier, e)
-            copies = state.engine_extra_copies.get(key)
-            if copies:
-                if copies == 1:
-                    del state.engine_extra_copies[key]
-                else:
-                    state.engine_extra_copies[key] = copies - 1
-                continue
-            del engine_to_block[e]
-            block_key = (tier, h)
-            refs = state.block_extra_refs.get(block_key)
-            if refs:
-                if refs == 1:
-                    del state.block_extra_refs[block_key]
-                else:
-                    state.block_extra_refs[block_key] = refs - 1
-                continue
-            self._clear_bit(self._layers[tier], h, state.bit)
-            state.num_blocks -= 1
-            self._num_blocks -= 1
+        unknown = self._blocks.remove_blocks(state, tier, event.block_hashes)
+        if unknown:
+            self._count_error("unknown_block", unknown)
+
+    # --- internal updates -------------------------------------------------------------
+
+    def _count_error(self, kind: ErrorKind, num: int = 1) -> None:
+        self._errors[kind] = self._errors.get(kind, 0) + num
+
+    def _expire(self, now: float) -> None:
+        if now > self._now:
+            self._now = now
+        predictions = self._predictions
+        if predictions.heap and predictions.heap[0][0] <= self._now:
+            predictions.expire(self._now)
+
+
+_CONFORMS: type[Index] = PrefixIndex  # checked by mypy: PrefixIndex is an Index

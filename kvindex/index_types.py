@@ -1,4 +1,4 @@
-"""Value types and per-worker state of the prefix index (see ``kvindex.index``).
+"""Value types of the prefix index (see ``kvindex.index``) and its ``Index`` protocol.
 
 Also the snapshot format: plain msgspec structs, versioned, written by
 ``PrefixIndex.snapshot`` and read by ``PrefixIndex.restore``. It is a persistence
@@ -8,12 +8,31 @@ format of this package, not a wire protocol with the engine.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final, Literal, NewType, Protocol
 
 import msgspec
 
-from kvindex.hashing import Namespace
+from kvindex.hashing import BlockHash, Namespace
+from kvindex.protocol import EventBatch, KVEvent
+
+WorkerId = NewType("WorkerId", str)
+
+
+@dataclass(frozen=True, slots=True)
+class Overlap:
+    """The leading run of a query that one worker holds, split by where each block is.
+
+    A block held in several tiers counts in the fastest (GPU, then CPU, then DISK); a
+    block only predicted counts in ``num_predicted``. The parts sum to ``num_blocks``.
+    """
+
+    num_blocks: int
+    num_gpu: int
+    num_cpu: int
+    num_disk: int
+    num_predicted: int
 
 
 class Tier(enum.IntEnum):
@@ -107,3 +126,33 @@ def namespace_from_fields(
 ) -> Namespace:
     model, revision, tokenizer, template, lora_name, block_size, cache_salt = fields
     return Namespace(model, revision, tokenizer, template, lora_name, block_size, cache_salt)
+
+
+class Index(Protocol):
+    """What the router needs of a prefix index (``kvindex.index.PrefixIndex`` is one).
+
+    NOTE: a typing seam only: callers hold the concrete object, so a call through this
+    protocol costs what a call on ``PrefixIndex`` costs (no wrapper on the lookup path).
+    """
+
+    def add_worker(self, worker: WorkerId, namespace: Namespace) -> None: ...
+
+    def remove_worker(self, worker: WorkerId) -> None: ...
+
+    def clear_worker(self, worker: WorkerId) -> None: ...
+
+    def workers(self) -> list[WorkerId]: ...
+
+    def num_blocks_of(self, worker: WorkerId) -> int: ...
+
+    def apply(self, worker: WorkerId, event: KVEvent, now: float = 0.0) -> None: ...
+
+    def apply_batch(self, worker: WorkerId, batch: EventBatch, now: float = 0.0) -> None: ...
+
+    def predict(
+        self, worker: WorkerId, hashes: Sequence[BlockHash], ttl: float, now: float
+    ) -> None: ...
+
+    def lookup(self, hashes: Sequence[BlockHash], now: float = 0.0) -> dict[WorkerId, Overlap]: ...
+
+    def stats(self) -> IndexStats: ...

@@ -11,28 +11,10 @@ O(workers) to build the result; no per-worker walk.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import NewType
 
 from kvindex.hashing import BlockHash
 from kvindex.index_predictions import Predictions
-
-WorkerId = NewType("WorkerId", str)
-
-
-@dataclass(frozen=True, slots=True)
-class Overlap:
-    """The leading run of a query that one worker holds, split by where each block is.
-
-    A block held in several tiers counts in the fastest (GPU, then CPU, then DISK); a
-    block only predicted counts in ``num_predicted``. The parts sum to ``num_blocks``.
-    """
-
-    num_blocks: int
-    num_gpu: int
-    num_cpu: int
-    num_disk: int
-    num_predicted: int
+from kvindex.index_types import Overlap, WorkerId
 
 
 def walk_gpu_only(

@@ -285,6 +285,26 @@ def decode_frame(frames: Sequence[bytes]) -> EventFrame:
     return EventFrame(topic=topic_text, seq=seq, batch=decode_batch(bytes(payload)))
 
 
+def seq_of_frames(frames: Sequence[bytes]) -> int | None:
+    """The seq of a ``[topic, seq, payload]`` message (the end marker included), or None
+    when the frames have the wrong shape. Reads no payload."""
+    if len(frames) != 3 or len(frames[1]) != 8:
+        return None
+    return int.from_bytes(frames[1], "big", signed=True)
+
+
+def replay_request(start_seq: int) -> list[bytes]:
+    """The frames a DEALER sends vLLM's replay ROUTER for every batch from ``start_seq``."""
+    return [b"", start_seq.to_bytes(8, "big", signed=True)]
+
+
+def replay_reply_body(reply: Sequence[bytes]) -> Sequence[bytes]:
+    """A replay ROUTER's answer ``[b"", topic, seq, payload]`` as ``[topic, seq, payload]``
+    (the empty delimiter a DEALER receives is dropped; a reply without one, or of another
+    length, is returned as it is, so ``seq_of_frames`` judges it)."""
+    return reply[1:] if len(reply) == 4 and reply[0] == b"" else reply
+
+
 def engine_hash(raw: RawBlockHash) -> EngineBlockHash:
     """Normalise an engine hash as vLLM does for int hashes: big-endian, low 64 bits."""
     if isinstance(raw, bytes):

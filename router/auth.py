@@ -2,8 +2,9 @@
 
 - ``/health``, ``/ready`` and ``/metrics`` are open (probes and Prometheus scrapes
   carry no key); ``--metrics-need-admin`` puts ``/metrics`` behind the admin token.
-- Admin paths (``/admin/...``, the dashboard's data, the cache report) need ``Authorization: Bearer <admin
-  token>``: 401 without a valid one, 403 for a tenant's API key.
+- Admin paths (``/admin/...``, the dashboard's data, the cache report) need
+  ``Authorization: Bearer <admin token>``: 401 without a valid one, 403 for a tenant's
+  API key.
 - Everything else (the OpenAI API) needs ``Authorization: Bearer <API key>`` once any
   key is configured: 401 in OpenAI's format (``invalid_api_key``) otherwise. The
   tenant id is then set on the request (``TENANT_KEY``); the proxy applies the

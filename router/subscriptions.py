@@ -29,8 +29,9 @@ import aiohttp
 import zmq.asyncio
 
 from kvindex.agent_protocol import Epoch, LoadReport, StreamSeq
-from kvindex.index import PrefixIndex, WorkerId
+from kvindex.index_types import Index, WorkerId
 from kvindex.protocol import BlockStored, EventBatch
+from router.agent_client import AgentClient
 from router.fleet import Fleet, FleetWorker
 from router.metrics import RouterMetrics
 from router.zmq_subscription import ZmqSubscription
@@ -44,7 +45,7 @@ class IndexFeed:
     """Applies one worker's events to the index (the handler of its subscription)."""
 
     def __init__(
-        self, worker_id: WorkerId, index: PrefixIndex, fleet: Fleet, metrics: RouterMetrics
+        self, worker_id: WorkerId, index: Index, fleet: Fleet, metrics: RouterMetrics
     ) -> None:
         self.worker_id = worker_id
         self._index = index
@@ -119,7 +120,7 @@ class SubscriptionManager:
     def __init__(
         self,
         session: aiohttp.ClientSession,
-        index: PrefixIndex,
+        index: Index,
         fleet: Fleet,
         metrics: RouterMetrics,
         agent_token: str | None,
@@ -186,7 +187,7 @@ class SubscriptionManager:
                 if worker.spec.agent_url is not None:
                     await self._run_agent(worker.spec.agent_url, feed)
                 else:
-                    await ZmqSubscription(self._session, self._zmq, worker, feed, self._fleet).run()
+                    await ZmqSubscription(self._session, self._zmq, worker.spec.url, feed).run()
                 attempt = 0
             except asyncio.CancelledError:
                 raise
@@ -197,7 +198,5 @@ class SubscriptionManager:
             await asyncio.sleep(delay)
 
     async def _run_agent(self, agent_url: str, feed: IndexFeed) -> None:
-        from router.agent_client import AgentClient
-
         client = AgentClient(self._session, agent_url, self._agent_token, feed)
         await client.run()

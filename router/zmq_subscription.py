@@ -5,16 +5,22 @@ Endpoints come from the engine's ``/kv_event_sources`` (a bind address like
 on PUB and answers ``[b"", start_seq]`` on its replay ROUTER with every buffered batch
 from ``start_seq``, then an end marker (seq -1).
 
-Recovery, weaker than the agent's (a replay buffer that wrapped loses older blocks):
+The seq rules (in order, gap, duplicate, restart) are ``kvindex.sequence``'s, shared
+with the agent; this module does the I/O around them. Recovery, weaker than the
+agent's (a replay buffer that wrapped loses older blocks):
 
 - **bootstrap and reconnect**: on start, and whenever the SUB socket reconnects (the
   engine may have restarted meanwhile), fetch the replay buffer from seq 0 and compare it
-  with what was applied (CRC of each batch by seq). Same history: apply only what is
-  new. Different or shorter history: the engine restarted, so purge the worker and apply
-  the new history;
-- **gap** (live seq > last + 1): replay the missing batches;
+  with what was applied (``SequenceTracker.on_history``). Same history: apply only what
+  is new. Different or shorter history: the engine restarted, so purge the worker and
+  apply the new history;
+- **gap** (live seq past the next expected): replay the missing batches;
 - **seq reset** (a live seq at or below the previous live seq, or a batch that differs
-  from the one applied under that seq): purge, then apply.
+  from the one applied under that seq): purge, then apply this life from seq 0.
+
+The subscription writes the index only through an ``EventFeed`` (``IndexFeed`` in
+``router.subscriptions``, a fake in tests), so this module imports nothing of the
+subscription manager.
 """
 
 from __future__ import annotations
@@ -22,8 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import zlib
-from typing import TYPE_CHECKING
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -31,18 +36,42 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvindex.protocol import SEQ_END_MARKER, EventBatch, EventDecodeError, decode_frame
-
-if TYPE_CHECKING:
-    from router.fleet import Fleet, FleetWorker
-    from router.subscriptions import IndexFeed
+from kvindex.index_types import WorkerId
+from kvindex.protocol import (
+    SEQ_END_MARKER,
+    EventBatch,
+    EventDecodeError,
+    decode_batch,
+    replay_reply_body,
+    replay_request,
+    seq_of_frames,
+)
+from kvindex.sequence import SeqAction, SequenceTracker, payload_digest
 
 log = logging.getLogger(__name__)
 
 _REPLAY_TIMEOUT_S = 5.0
-_MAX_REMEMBERED_BATCHES = 20_000  # CRCs kept to tell a replay overlap from a restart
+_MAX_REPLAYED_BATCHES = 100_000  # a bound on one replay answer (vLLM keeps 10,000)
 
-ReplayedBatch = tuple[int, int, EventBatch]  # (seq, crc32 of payload, batch)
+RawBatch = tuple[int, bytes]  # (seq, payload) as the replay socket sent it
+
+
+class EventFeed(Protocol):
+    """Where one worker's engine events go (``router.subscriptions.IndexFeed``)."""
+
+    @property
+    def worker_id(self) -> WorkerId: ...
+
+    @property
+    def synced(self) -> asyncio.Event:
+        """Set once the worker's state is loaded (the bootstrap replay is applied)."""
+        ...
+
+    def apply_batch(self, batch: EventBatch) -> None: ...
+
+    def purge(self) -> None:
+        """Forget every block of the worker."""
+        ...
 
 
 class ZmqSubscription:
@@ -52,18 +81,14 @@ class ZmqSubscription:
         self,
         session: aiohttp.ClientSession,
         context: zmq.asyncio.Context,
-        worker: FleetWorker,
-        feed: IndexFeed,
-        fleet: Fleet,
+        engine_url: str,
+        feed: EventFeed,
     ) -> None:
         self._session = session
         self._context = context
-        self._worker = worker
+        self._engine_url = engine_url
         self._feed = feed
-        self._fleet = fleet
-        self._last_seq: int | None = None  # seq of the last batch applied (live or replay)
-        self._last_live_seq: int | None = None  # seq of the last live (SUB) message
-        self._seq_to_crc: dict[int, int] = {}  # applied batches, for overlap checks
+        self._tracker = SequenceTracker()
         self._replay_endpoint: str | None = None
         # NOTE: one lock orders live frames and replay syncs (the reconnect watcher runs
         # as its own task) so no batch is applied twice or out of order.
@@ -104,33 +129,31 @@ class ZmqSubscription:
         while True:
             parse_monitor_message(await monitor.recv_multipart())
             async with self._lock:
-                self._last_live_seq = None
+                self._tracker.on_reconnect()
                 await self._sync_from_replay()
 
     # --- live stream --------------------------------------------------------------------
 
     async def _on_frames(self, frames: list[bytes]) -> None:
-        try:
-            frame = decode_frame(frames)
-        except EventDecodeError as exc:
-            log.warning("worker %s: bad KV event frame: %s", self._feed.worker_id, exc)
+        seq = seq_of_frames(frames)
+        if seq is None or seq == SEQ_END_MARKER:
+            log.warning("worker %s: bad KV event frame", self._feed.worker_id)
             return
-        crc = zlib.crc32(frames[2])
-        last_live, last = self._last_live_seq, self._last_seq
-        self._last_live_seq = frame.seq
-        restarted = last_live is not None and frame.seq <= last_live
-        if not restarted and last is not None and frame.seq <= last:
-            if self._seq_to_crc.get(frame.seq) == crc:
-                return  # already applied from the replay socket
-            restarted = True
-        if restarted:
+        payload = frames[2]
+        digest = payload_digest(payload)
+        tracker = self._tracker
+        action = tracker.on_live(seq, digest)
+        if action is SeqAction.DROP:
+            return  # already applied from the replay socket
+        if action is SeqAction.RESYNC:
             self._purge("seq reset")
-            last = None
-        if last is not None and frame.seq > last + 1 and self._replay_endpoint is not None:
-            for seq, batch_crc, batch in await self._fetch_replay(last + 1):
-                if seq < frame.seq:
-                    self._apply(seq, batch_crc, batch)
-        self._apply(frame.seq, crc, frame.batch)
+            action = tracker.on_live(seq, digest)
+        if action is SeqAction.REPLAY:
+            if self._replay_endpoint is not None:
+                self._apply_replayed(await self._fetch_replay(tracker.expected), stop_before=seq)
+            if not tracker.accept(seq, digest):
+                log.warning("worker %s: batches before seq %d lost", self._feed.worker_id, seq)
+        self._apply(seq, payload)
 
     # --- replay ---------------------------------------------------------------------------
 
@@ -139,42 +162,36 @@ class ZmqSubscription:
         if self._replay_endpoint is None:
             return
         replayed = await self._fetch_replay(0)
-        last = self._last_seq
-        if last is not None and self._history_differs(replayed, last):
+        history = [(seq, payload_digest(payload)) for seq, payload in replayed]
+        if self._tracker.on_history(history) is SeqAction.RESYNC:
             self._purge("engine restarted while disconnected")
-            last = None
-        for seq, crc, batch in replayed:
-            if last is None or seq > last:
-                self._apply(seq, crc, batch)
+        self._apply_replayed(replayed, stop_before=None)
 
-    def _history_differs(self, replayed: list[ReplayedBatch], last: int) -> bool:
-        if not replayed or replayed[-1][0] < last:
-            return True  # the engine has not (re)reached our position: a new engine
-        return any(self._seq_to_crc.get(seq, crc) != crc for seq, crc, _ in replayed if seq <= last)
+    def _apply_replayed(self, replayed: list[RawBatch], stop_before: int | None) -> None:
+        for seq, payload in replayed:
+            action = self._tracker.on_replayed(seq, payload_digest(payload), stop_before)
+            if action is not SeqAction.DROP:
+                self._apply(seq, payload)
 
-    async def _fetch_replay(self, start_seq: int) -> list[ReplayedBatch]:
+    async def _fetch_replay(self, start_seq: int) -> list[RawBatch]:
         """Every buffered batch from ``start_seq`` (vLLM's ROUTER replay protocol)."""
         assert self._replay_endpoint is not None
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(self._replay_endpoint)
-        batches: list[ReplayedBatch] = []
+        batches: list[RawBatch] = []
         try:
-            await dealer.send_multipart([b"", start_seq.to_bytes(8, "big")])
+            await dealer.send_multipart(replay_request(start_seq))
             async with asyncio.timeout(_REPLAY_TIMEOUT_S):
-                while True:
-                    frames = await dealer.recv_multipart()
-                    body = frames[1:] if frames and frames[0] == b"" else frames
-                    if len(body) == 3 and int.from_bytes(body[1], "big", signed=True) == (
-                        SEQ_END_MARKER
-                    ):
+                while len(batches) < _MAX_REPLAYED_BATCHES:
+                    body = replay_reply_body(await dealer.recv_multipart())
+                    seq = seq_of_frames(body)
+                    if seq == SEQ_END_MARKER:
                         return batches
-                    try:
-                        frame = decode_frame(body)
-                    except EventDecodeError as exc:
-                        log.warning("worker %s: bad replay frame: %s", self._feed.worker_id, exc)
+                    if seq is None:
+                        log.warning("worker %s: bad replay frame", self._feed.worker_id)
                         continue
-                    batches.append((frame.seq, zlib.crc32(body[2]), frame.batch))
+                    batches.append((seq, body[2]))
         except TimeoutError:
             log.warning("worker %s: replay from %d timed out", self._feed.worker_id, start_seq)
         finally:
@@ -183,20 +200,22 @@ class ZmqSubscription:
 
     # --- internal updates -----------------------------------------------------------------
 
-    def _apply(self, seq: int, crc: int, batch: EventBatch) -> None:
+    def _apply(self, seq: int, payload: bytes) -> None:
+        """Apply a batch the tracker has recorded; an undecodable one is skipped (its seq
+        stays consumed, so it does not ask for the same replay again)."""
+        try:
+            batch = decode_batch(payload)
+        except EventDecodeError as exc:
+            log.warning("worker %s: bad KV event batch %d: %s", self._feed.worker_id, seq, exc)
+            return
         self._feed.apply_batch(batch)
-        self._last_seq = seq
-        self._seq_to_crc[seq] = crc
-        self._seq_to_crc.pop(seq - _MAX_REMEMBERED_BATCHES, None)
 
     def _purge(self, reason: str) -> None:
         log.warning("worker %s: %s, purging its blocks", self._feed.worker_id, reason)
         self._feed.purge()
-        self._last_seq = None
-        self._seq_to_crc.clear()
 
     async def _sources(self) -> tuple[str, str | None, str] | None:
-        url = self._worker.spec.url
+        url = self._engine_url
         async with self._session.get(url + "/kv_event_sources") as resp:
             resp.raise_for_status()
             sources = await resp.json()

@@ -50,19 +50,29 @@ worker with a long queue costs thousands: queued work dominates and load spreads
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
-from kvindex.index import Overlap
+from kvindex.index_types import Overlap
 from router.scheduling.rates import WorkerRates
 from router.scheduling.types import WorkerLoad
 
 
 @dataclass(frozen=True, slots=True)
 class TierCosts:
-    """Cost of a cached token per tier, as a fraction of prefilling it (GPU: 0)."""
+    """Cost of a cached token per tier, as a fraction of prefilling it (GPU: 0).
+
+    NOTE: one object per router, owned by the policy (``Policy.tier_costs``; cache_aware
+    sets it from its ``cpu_cost`` / ``disk_cost`` / ``predicted_cost`` parameters) and
+    read by the ``Scheduler`` for the in-flight prefill it charges at a pick, so the
+    score and the load estimate never disagree about one setting.
+    """
 
     cpu: float = 0.25
     disk: float = 0.5
     predicted: float = 0.1
+
+
+DEFAULT_TIER_COSTS: Final = TierCosts()
 
 
 def hit_tokens(num_blocks: int, block_size: int, num_prompt_tokens: int) -> int:

@@ -23,7 +23,8 @@ from itertools import compress
 from typing import Protocol
 
 from kvindex.hashing import BlockHash, Namespace, hash_prompt
-from kvindex.index import Overlap, PrefixIndex
+from kvindex.index_types import Index, Overlap
+from router.scheduling.cost_model import DEFAULT_TIER_COSTS, TierCosts
 from router.scheduling.rates import RateLearner
 from router.scheduling.types import Decision, RoutingRequest, WorkerId, WorkerView
 
@@ -32,9 +33,15 @@ PromptHasher = Callable[[Namespace, Sequence[int]], list[BlockHash]]
 
 
 class Policy(Protocol):
-    """A routing policy plugin. ``name`` is its registry name."""
+    """A routing policy plugin. ``name`` is its registry name.
+
+    ``tier_costs`` is the one setting of what a cached CPU / disk / predicted token
+    costs: the policy may score with it, and the ``Scheduler`` charges the chosen
+    worker's in-flight prefill estimate with the same object.
+    """
 
     name: str
+    tier_costs: TierCosts
 
     def choose(self, ctx: PickContext) -> WorkerView:
         """One of ``ctx.candidates`` (never empty). Must not mutate loads."""
@@ -53,6 +60,7 @@ class BasePolicy:
     """No-op hooks, so a policy defines only ``choose`` and what it needs."""
 
     name = "base"
+    tier_costs = DEFAULT_TIER_COSTS
 
     def on_routed(self, ctx: PickContext, decision: Decision) -> None:
         return None
@@ -87,7 +95,7 @@ class PickContext:
         request: RoutingRequest,
         candidates: Sequence[WorkerView],
         *,
-        index: PrefixIndex,
+        index: Index,
         rates: RateLearner,
         rng: random.Random,
         now: float,

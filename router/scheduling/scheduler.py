@@ -6,7 +6,9 @@ Life of a request (the router core calls these three, in order, exactly once eac
 1. ``pick(request, workers)``: filters eligible workers, asks the policy, then commits:
    the chosen worker's blocks are recorded as predicted in the index (TTL
    ``prediction_ttl_s``), ``load.num_inflight += 1`` and
-   ``load.inflight_prefill_tokens += uncached tokens``. Nothing else writes those fields.
+   ``load.inflight_prefill_tokens += uncached tokens`` (CPU / disk / predicted blocks
+   charged by the policy's ``tier_costs``, the same object its score reads). Nothing
+   else writes those fields.
 2. ``on_first_token(decision, ttft_s)``: releases the prefill tokens and teaches the
    worker's rate model the observed TTFT.
 3. ``on_finish(decision, num_cached_tokens=..., ok=...)``: releases the in-flight
@@ -26,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 
 from kvindex.hashing import Namespace, PrefixChainCache
-from kvindex.index import PrefixIndex
+from kvindex.index_types import Index
 from router.scheduling.cost_model import (
     TierCosts,
     decode_batch,
@@ -47,7 +49,7 @@ class Scheduler:
 
     def __init__(
         self,
-        index: PrefixIndex,
+        index: Index,
         policy: Policy,
         *,
         prediction_ttl_s: float = 2.0,
@@ -55,7 +57,6 @@ class Scheduler:
         rng: random.Random | None = None,
         rate_prior: RatePrior | None = None,
         drift: DriftConfig | None = None,
-        tier_costs: TierCosts | None = None,
         prefix_cache_entries: int = 0,
     ) -> None:
         self.index = index
@@ -65,7 +66,6 @@ class Scheduler:
         self.rng = rng or random.Random()
         self.rates = RateLearner(prior=rate_prior or RatePrior())
         self.drift = DriftTracker(drift or DriftConfig())
-        self.tier_costs = tier_costs or TierCosts()  # for the router-side inflight estimate
         # Recent prompts' block hashes: a prompt hashes only blocks past the prefix it
         # shares with the last one that began alike (0 entries: always hash it all).
         # NOTE: off by default since the chain is hashed by numpy (~0.03 us per block):
@@ -76,6 +76,11 @@ class Scheduler:
         self._namespaces: OrderedDict[tuple[int, str | None, str | None], Namespace] = OrderedDict()
 
     # -- public API ------------------------------------------------------------------
+
+    @property
+    def tier_costs(self) -> TierCosts:
+        """The policy's tier costs: the one setting the in-flight prefill estimate uses."""
+        return self.policy.tier_costs
 
     def eligible(
         self,
@@ -204,7 +209,9 @@ class Scheduler:
             hit_tokens(overlap.num_blocks, block_size, num_prompt_tokens) if overlap else 0
         )
         uncached = round(
-            effective_uncached_tokens(overlap, block_size, num_prompt_tokens, self.tier_costs)
+            effective_uncached_tokens(
+                overlap, block_size, num_prompt_tokens, self.policy.tier_costs
+            )
         )
         load = chosen.load
         decision = Decision(

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvindex.hashing import BlockHash, Namespace
-from kvindex.index import WorkerId
+from kvindex.index_types import WorkerId
 
 __all__ = ["Decision", "RoutingRequest", "WorkerId", "WorkerLoad", "WorkerView"]
 

@@ -41,7 +41,8 @@ def filler(namespace: Namespace, i: int) -> list[BlockHash]:
 
 def has_map(index: PrefixIndex, worker: WorkerId) -> bool:
     predictions = index._predictions
-    slot = next(s for s, st in enumerate(index._slot_to_state) if st and st.worker == worker)
+    slot = index._blocks.slot_of(worker)
+    assert slot is not None
     return predictions.slot_to_block_map[slot] is not None
 
 

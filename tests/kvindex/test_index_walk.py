@@ -11,7 +11,8 @@ from hypothesis import given, settings
 
 from kvindex.hashing import BlockHash
 from kvindex.index_predictions import Predictions
-from kvindex.index_walk import Overlap, WorkerId, walk_gpu_only, walk_tiered
+from kvindex.index_types import Overlap, WorkerId
+from kvindex.index_walk import walk_gpu_only, walk_tiered
 
 
 def brute_force(

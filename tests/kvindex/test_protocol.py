@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from kvindex.hashing import Namespace
 from kvindex.index import PrefixIndex, WorkerId
 from kvindex.protocol import (
+    SEQ_END_MARKER,
     UINT64_MASK,
     AllBlocksCleared,
     BlockRemoved,
@@ -31,6 +32,9 @@ from kvindex.protocol import (
     encode_batch,
     encode_frame,
     engine_hash,
+    replay_reply_body,
+    replay_request,
+    seq_of_frames,
 )
 from tests.kvindex.fake_engine import BlockSpan, make_sequences
 
@@ -105,6 +109,17 @@ def test_frame_survives_encode_decode(topic: str, seq: int, batch: EventBatch) -
     frames = encode_frame(topic, seq, batch)
     assert [type(f) for f in frames] == [bytes, bytes, bytes]
     assert decode_frame(frames) == EventFrame(topic=topic, seq=seq, batch=batch)
+    assert seq_of_frames(frames) == seq
+    # the replay socket's answer carries the same frames behind an empty delimiter
+    assert replay_reply_body([b"", *frames]) == frames
+    assert replay_reply_body(frames) == frames
+    assert replay_request(seq)[1] == frames[1]
+
+
+def test_seq_of_frames_rejects_wrong_shapes() -> None:
+    assert seq_of_frames([b"kv", b"short", b"payload"]) is None
+    assert seq_of_frames([b"kv", (1).to_bytes(8, "big")]) is None
+    assert seq_of_frames([b"kv", (-1).to_bytes(8, "big", signed=True), b""]) == SEQ_END_MARKER
 
 
 def _legacy_array(event: KVEvent, full: bool) -> list[object]:

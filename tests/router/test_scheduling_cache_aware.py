@@ -173,6 +173,25 @@ def test_cost_model_credits(num_prompt_tokens: int) -> None:
     assert effective_uncached_tokens(cpu, BLOCK, num_prompt_tokens, costs) == expected
 
 
+@pytest.mark.parametrize("cpu_cost", [0.0, 0.25, 1.0])
+def test_the_policys_tier_costs_are_the_schedulers_inflight_estimate(cpu_cost: float) -> None:
+    """One setting: cache_aware's ``cpu_cost`` is what a pick charges the worker's
+    in-flight prefill, not a second default kept by the scheduler."""
+    index, workers = make_fleet(1)
+    prompt = tokens(4, 10 * BLOCK + 3)
+    store(index, "w0", prompt[: 6 * BLOCK], medium="CPU")
+    sched = scheduler(index, "cache_aware", cpu_cost=str(cpu_cost))
+    assert sched.tier_costs is sched.policy.tier_costs
+    assert sched.tier_costs.cpu == cpu_cost
+    decision = sched.pick(request(prompt), workers)
+    assert decision is not None and decision.predicted_cached_tokens == 6 * BLOCK
+    expected = (len(prompt) - 6 * BLOCK) + cpu_cost * 6 * BLOCK
+    assert decision.inflight_prefill_tokens == round(expected)
+    assert workers[0].load.inflight_prefill_tokens == round(expected)
+    finish(sched, decision)
+    assert workers[0].load.inflight_prefill_tokens == 0
+
+
 @pytest.mark.parametrize("rate_sharing", ["auto", "per_worker"])
 def test_scores_are_seconds_from_learned_rates(rate_sharing: str) -> None:
     index: PrefixIndex
@@ -232,7 +251,9 @@ def test_inlined_scores_equal_the_cost_model_bit_for_bit(rate_sharing: str) -> N
         expected_ttft(
             worker_rates,
             w.load,
-            effective_uncached_tokens(overlaps.get(w.worker_id), BLOCK, len(prompt), policy.costs),
+            effective_uncached_tokens(
+                overlaps.get(w.worker_id), BLOCK, len(prompt), policy.tier_costs
+            ),
             0.3,
             rho,
             policy.mean_utilization(ctx),
@@ -266,7 +287,7 @@ def test_inlined_scores_with_interleaved_namespaces() -> None:
             sched.rates.rates_of(w.worker_id),
             w.load,
             effective_uncached_tokens(
-                ctx.overlap(w), w.namespace.block_size, len(prompt), policy.costs
+                ctx.overlap(w), w.namespace.block_size, len(prompt), policy.tier_costs
             ),
             policy.added_work_weight,
         )

@@ -1,20 +1,29 @@
 """Direct ZMQ subscription to a stock engine (the simulator speaks vLLM's wire format):
-bootstrap from the replay socket, and purge on a seq reset (engine restart)."""
+bootstrap from the replay socket, and purge on a seq reset (engine restart); and
+``ZmqSubscription`` alone against a fake engine on real sockets that loses batches."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
 import aiohttp
+import zmq.asyncio
 from aiohttp import web
 
+from kvindex.index_types import WorkerId
+from kvindex.protocol import BlockStored, EventBatch
 from router.app import FLEET, INDEX
 from router.config import RouterConfig, WorkerSpec
 from router.fleet import PROVISIONAL_BLOCK_SIZE
+from router.zmq_subscription import ZmqSubscription
 from tests.polling import wait_until
 from tests.router.fakes import run, running_router
 from tests.router.simfleet import BLOCK_SIZE
+from tests.worker.agent_support import FakeEngine, RefKey, apply_reference, start_runner
 from worker.models import model_dir
 from worker.sim.server import SimConfig, create_sim_app
 
@@ -106,5 +115,86 @@ def test_block_size_unknown_at_probe_is_learnt_from_the_first_event() -> None:
                 await wait_until(lambda: app[INDEX].num_blocks_of(engine_url) == blocks_a)
         finally:
             await sim.cleanup()
+
+    run(main())
+
+
+class RecordingFeed:
+    """An ``EventFeed`` that rebuilds the engine's block multiset (``FakeEngine.truth``)."""
+
+    def __init__(self) -> None:
+        self.worker_id = WorkerId("fake")
+        self.synced = asyncio.Event()
+        self.blocks: Counter[RefKey] = Counter()
+        self.num_purges = 0
+
+    def apply_batch(self, batch: EventBatch) -> None:
+        for event in batch.events:
+            apply_reference(self.blocks, event)
+
+    def purge(self) -> None:
+        self.blocks = Counter()
+        self.num_purges += 1
+
+
+def _chain(first_hash: int, num_blocks: int = 2) -> BlockStored:
+    hashes = list(range(first_hash, first_hash + num_blocks))
+    return BlockStored(hashes, None, [h % 1000 for h in hashes for _ in range(4)], block_size=4)
+
+
+async def _sources_app(engine: FakeEngine) -> web.AppRunner:
+    """``/kv_event_sources`` of a stock vLLM, pointing at the fake engine's sockets."""
+    config = {"endpoint": engine.zmq_endpoint, "replay_endpoint": engine.replay_endpoint,
+              "topic": engine.topic}  # fmt: skip
+
+    async def sources(request: web.Request) -> web.Response:
+        return web.json_response({"0": config})
+
+    app = web.Application()
+    app.router.add_get("/kv_event_sources", sources)
+    return web.AppRunner(app)
+
+
+def test_gaps_are_replayed_and_a_restart_replays_the_new_life_from_seq_0() -> None:
+    async def main() -> None:
+        engine = FakeEngine()
+        await engine.start()
+        runner = await _sources_app(engine)
+        context = zmq.asyncio.Context()
+        feed = RecordingFeed()
+        task: asyncio.Task[None] | None = None
+        try:
+            url = await start_runner(runner)
+            await engine.publish([_chain(1)])  # before the subscription: bootstrap
+            async with aiohttp.ClientSession() as session:
+                task = asyncio.create_task(ZmqSubscription(session, context, url, feed).run())
+                await wait_until(feed.synced.is_set, what="bootstrapped")
+                assert feed.blocks == engine.truth
+                # until the SUB socket gets live batches (a slow joiner loses the first)
+                next_hash = 100
+                while feed.blocks != engine.truth or next_hash == 100:
+                    await engine.publish([_chain(next_hash)])
+                    next_hash += 10
+                    with contextlib.suppress(AssertionError):
+                        await wait_until(lambda: feed.blocks == engine.truth, timeout_s=0.5)
+                await engine.publish([_chain(500)], drop=True)  # lost on the PUB socket
+                await engine.publish([_chain(600)])  # the gap: the batch before is replayed
+                await wait_until(lambda: feed.blocks == engine.truth, what="gap filled")
+                purges = feed.num_purges
+
+                engine.restart()  # seq from 0 again, empty cache
+                await engine.publish([_chain(700)], drop=True)  # the new life's seq 0, lost
+                await engine.publish([_chain(800)])  # seq 1: below the last live seq
+                await wait_until(lambda: feed.blocks == engine.truth, what="new life replayed")
+                assert feed.num_purges == purges + 1
+                assert sum(feed.blocks.values()) == 4  # seq 0 and 1 of the new life only
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await runner.cleanup()
+            context.destroy(linger=0)
+            await engine.stop()
 
     run(main())

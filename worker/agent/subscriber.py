@@ -6,12 +6,15 @@ answers a request ``[b"", start_seq (8 bytes big-endian)]`` from a DEALER with
 ``[b"", topic, seq, payload]`` for every buffered batch with ``seq >= start_seq``, then
 the end marker ``[b"", b"", seq=-1, b""]``. It keeps the last ``buffer_steps`` batches.
 
-The subscriber task is the only writer of ``AgentState`` (see there). Rules:
+The subscriber task is the only writer of ``AgentState`` (see there). The seq rules are
+``kvindex.sequence.SequenceTracker``'s, shared with the router's direct ZMQ
+subscription; here they mean:
 
-- next expected engine seq is ``last + 1`` (``0`` when nothing was seen this epoch);
-- ``seq > expected``: gap -> replay ``[expected, seq)`` from the ROUTER, then apply seq;
-- ``seq <= last`` with the payload we applied at that seq: a duplicate, dropped;
-  with another payload: the engine restarted -> new epoch, then as above from 0;
+- a gap (seq past the next expected) -> replay ``[expected, seq)`` from the ROUTER,
+  then apply seq;
+- a seq already applied, with the same payload: a duplicate, dropped; a seq reset
+  (another payload, or a live seq at or below the previous live one): the engine
+  restarted -> new epoch, then as above from 0;
 - a payload that does not decode is counted by kind and skipped (its seq is consumed,
   so the same bad batch does not trigger endless replays).
 """
@@ -20,13 +23,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
 from typing import Final
 
 import zmq
 import zmq.asyncio
 
-from kvindex.protocol import SEQ_END_MARKER, EventDecodeError, EventFrame, decode_frame
+from kvindex.protocol import (
+    SEQ_END_MARKER,
+    EventBatch,
+    EventDecodeError,
+    decode_batch,
+    replay_reply_body,
+    replay_request,
+    seq_of_frames,
+)
+from kvindex.sequence import SeqAction, SequenceTracker, payload_digest
 from worker.agent.metrics import AgentMetrics
 from worker.agent.state import AgentState
 
@@ -34,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_MS: Final = 100
 REPLAY_REPLY_TIMEOUT_MS: Final = 2_000
+# Payload digests kept to tell a duplicate from a restart: the agent only compares seqs
+# a replay overlapped, never a whole history (the router's direct subscription does).
+MAX_REMEMBERED_DIGESTS: Final = 4096
 
 
 class EngineSubscriber:
@@ -55,10 +69,7 @@ class EngineSubscriber:
         # NOTE: the process-wide context: many agents in one process (a simulated fleet)
         # share its I/O thread instead of one each. Never terminated here.
         self._context = zmq.asyncio.Context.instance()
-        self._last_engine_seq: int | None = None  # last engine seq applied this epoch
-        # engine seq -> hash of its payload, to tell replay duplicates from a restart
-        self._engine_seq_to_digest: OrderedDict[int, int] = OrderedDict()
-        self._max_digests = 4096
+        self._tracker = SequenceTracker(MAX_REMEMBERED_DIGESTS)  # engine seqs, this epoch
 
     async def run(self) -> None:
         """Consume until cancelled. Never raises on engine misbehaviour."""
@@ -93,51 +104,49 @@ class EngineSubscriber:
         logger.info("agent: new epoch (%s)", reason)
         self._state.pending_epoch_reason = None
         self._state.begin_epoch()
-        self._last_engine_seq = None
-        self._engine_seq_to_digest.clear()
+        self._tracker.reset()
         self._metrics.epoch_changes.labels(reason=reason).inc()
         self._update_gauges()
 
     async def _sync_from_start(self) -> None:
         """Load the engine's history this epoch from its replay buffer (first sync)."""
         if self._replay_endpoint is not None:
-            last = self._last_engine_seq
-            await self._replay(start=0 if last is None else last + 1)
+            await self._replay(start=self._tracker.expected)
         self._state.mark_synced()
 
     async def _on_live_frames(self, frames: list[bytes]) -> None:
-        seq = _seq_of(frames)
+        seq = seq_of_frames(frames)
         if seq is None or seq == SEQ_END_MARKER:
             self._metrics.decode_errors.labels(kind="frame").inc()
             return
-        last = self._last_engine_seq
-        if last is not None and seq <= last:
-            if self._engine_seq_to_digest.get(seq) == hash(frames[2]):
-                self._metrics.duplicates.inc()
-                return
+        payload = frames[2]
+        digest = payload_digest(payload)
+        tracker = self._tracker
+        action = tracker.on_live(seq, digest)
+        if action is SeqAction.DROP:
+            self._metrics.duplicates.inc()
+            return
+        if action is SeqAction.RESYNC:
             self._begin_epoch("seq_reset")
-        expected = 0 if self._last_engine_seq is None else self._last_engine_seq + 1
-        if seq > expected:
+            action = tracker.on_live(seq, digest)
+        if action is SeqAction.REPLAY:
             self._metrics.seq_gaps.inc()
-            logger.warning("agent: engine seq gap, expected %d got %d", expected, seq)
-            await self._replay(start=expected, stop_before=seq)
-        self._apply(frames, seq)
+            logger.warning("agent: engine seq gap, expected %d got %d", tracker.expected, seq)
+            await self._replay(start=tracker.expected, stop_before=seq)
+            tracker.accept(seq, digest)
+        self._apply(payload, seq)
 
-    def _apply(self, frames: list[bytes], seq: int) -> None:
-        """Apply one engine message whose seq is known; a bad payload is counted."""
-        self._last_engine_seq = seq
-        self._engine_seq_to_digest[seq] = hash(frames[2])
-        if len(self._engine_seq_to_digest) > self._max_digests:
-            self._engine_seq_to_digest.popitem(last=False)
+    def _apply(self, payload: bytes, seq: int) -> None:
+        """Apply one engine batch the tracker has recorded; a bad payload is counted."""
         try:
-            frame: EventFrame = decode_frame(frames)
+            batch: EventBatch = decode_batch(payload)
         except EventDecodeError as exc:
             self._metrics.decode_errors.labels(kind=exc.kind).inc()
             logger.warning("agent: undecodable engine batch at seq %d: %s", seq, exc)
             return
-        self._state.apply_engine_batch(frame.batch, engine_seq=seq)
+        self._state.apply_engine_batch(batch, engine_seq=seq)
         self._metrics.batches_received.inc()
-        for event in frame.batch.events:
+        for event in batch.events:
             self._metrics.events_received.labels(type=type(event).__name__).inc()
         self._update_gauges()
 
@@ -151,32 +160,28 @@ class EngineSubscriber:
         dealer.connect(self._replay_endpoint)
         outcome = "complete"
         try:
-            await dealer.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
+            await dealer.send_multipart(replay_request(start))
             while True:
                 if not await dealer.poll(REPLAY_REPLY_TIMEOUT_MS):
                     outcome = "failed"
                     break
-                reply = await dealer.recv_multipart()
-                frames = reply[1:] if reply and reply[0] == b"" else reply
-                seq = _seq_of(frames)
+                frames = replay_reply_body(await dealer.recv_multipart())
+                seq = seq_of_frames(frames)
                 if seq is None:
                     self._metrics.decode_errors.labels(kind="frame").inc()
                     continue
                 if seq == SEQ_END_MARKER:
                     break
-                if stop_before is not None and seq >= stop_before:
+                action = self._tracker.on_replayed(seq, payload_digest(frames[2]), stop_before)
+                if action is SeqAction.DROP:
                     continue
-                if self._last_engine_seq is not None and seq <= self._last_engine_seq:
-                    continue
-                expected = 0 if self._last_engine_seq is None else self._last_engine_seq + 1
-                if seq != expected:
+                if action is SeqAction.SKIP_AHEAD:
                     outcome = "incomplete"  # the engine's buffer no longer holds them
-                self._apply(frames, seq)
+                self._apply(frames[2], seq)
         finally:
             dealer.close(linger=0)
-        last = -1 if self._last_engine_seq is None else self._last_engine_seq
-        if stop_before is not None and last + 1 != stop_before and outcome == "complete":
-            outcome = "incomplete"
+        if stop_before is not None and self._tracker.expected != stop_before:
+            outcome = "incomplete" if outcome == "complete" else outcome
         self._metrics.replays.labels(outcome=outcome).inc()
         if outcome != "complete":
             logger.warning("agent: replay from %d %s", start, outcome)
@@ -187,10 +192,3 @@ class EngineSubscriber:
         self._metrics.unknown_removals.set(state.block_set.num_unknown_removals)
         self._metrics.epoch.set(state.epoch)
         self._metrics.seq.set(state.seq)
-
-
-def _seq_of(frames: list[bytes]) -> int | None:
-    """The seq of a ``[topic, seq, payload]`` message, or None if the frames are wrong."""
-    if len(frames) != 3 or len(frames[1]) != 8:
-        return None
-    return int.from_bytes(frames[1], "big", signed=True)

@@ -33,8 +33,9 @@ import math
 from collections.abc import Mapping
 
 from kvindex.hashing import Namespace
-from kvindex.index import Overlap
+from kvindex.index_types import Overlap
 from router.scheduling.cost_model import (
+    DEFAULT_TIER_COSTS,
     SHARE_SMOOTHING,
     TierCosts,
     effective_uncached_tokens,
@@ -63,7 +64,7 @@ class CacheAwarePolicy(BasePolicy):
     def __init__(
         self,
         *,
-        costs: TierCosts | None = None,
+        tier_costs: TierCosts = DEFAULT_TIER_COSTS,
         temperature: float = 0.0,
         added_work_weight: float = 0.5,
         busy_window_s: float = 60.0,
@@ -75,7 +76,7 @@ class CacheAwarePolicy(BasePolicy):
             raise ValueError("added_work_weight must be >= 0")
         if busy_window_s < 0:
             raise ValueError("busy_window_s must be >= 0")
-        self.costs = costs or TierCosts()
+        self.tier_costs = tier_costs  # also the Scheduler's (see Policy.tier_costs)
         self.temperature = temperature
         self.added_work_weight = added_work_weight
         if rate_sharing not in RATE_SHARING:
@@ -147,7 +148,7 @@ class CacheAwarePolicy(BasePolicy):
         # the shared rates' coefficients, per token and per running request
         theta_0, theta_1, theta_2 = shared_rates.theta
         per_token, per_running = theta_1 / TOKEN_SCALE, theta_2 / RUNNING_SCALE
-        costs = self.costs
+        costs = self.tier_costs
         busy = self.busy
         # rho(w) = scaled(w) * busy_scale, capped (RecentUtilization.utilization, inlined)
         worker_to_scaled = busy.worker_to_scaled if busy is not None else {}
@@ -221,13 +222,13 @@ class CacheAwarePolicy(BasePolicy):
 
 
 def _create(params: Mapping[str, ParamValue]) -> CacheAwarePolicy:
-    costs = TierCosts(
+    tier_costs = TierCosts(
         cpu=float(params["cpu_cost"]),
         disk=float(params["disk_cost"]),
         predicted=float(params["predicted_cost"]),
     )
     return CacheAwarePolicy(
-        costs=costs,
+        tier_costs=tier_costs,
         temperature=float(params["temperature"]),
         added_work_weight=float(params["added_work_weight"]),
         busy_window_s=float(params["busy_window_s"]),
