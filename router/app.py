@@ -28,6 +28,7 @@ from router.config import RouterConfig
 from router.discovery import Discovery, discovery_from_config
 from router.errors import ApiError, error_middleware
 from router.fleet import Fleet, TokenizerRegistry
+from router.http_server import RouterRunner
 from router.metrics import RouterMetrics
 from router.proxy import Proxy
 from router.scheduling.registry import create_policy
@@ -231,7 +232,17 @@ async def _health_checker(app: web.Application) -> AsyncIterator[None]:
 
 async def start_server(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
     """Run ``app`` on ``host:port`` (0: a free port); returns the runner and base URL."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    config = app.get(CONFIG)
+    runner = (
+        RouterRunner(
+            app,
+            head_timeout_s=config.request_head_timeout_s,
+            handler_cancellation=True,
+            access_log=None,
+        )
+        if config is not None  # the router; other apps (test doubles, agents) run plain
+        else web.AppRunner(app, handler_cancellation=True, access_log=None)
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -90,11 +90,15 @@ class RouterConfig:
     tokenizers: dict[str, str] = field(default_factory=dict)
     default_tokenizer: str | None = None
     block_size: int | None = None
-    max_concurrency: int | None = None
+    max_concurrency: int | None = 256
     agent_token: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     queue_size: int = 256
     queue_timeout_s: float = 30.0
+    request_head_timeout_s: float = 10.0
+    request_body_timeout_s: float = 60.0
+    max_n: int = 16
+    max_chars_per_token: int = 0
     max_attempts: int = 3
     connect_timeout_s: float = 3.0
     first_byte_timeout_s: float = 300.0
@@ -158,13 +162,36 @@ OPTIONS: tuple[Option, ...] = (
         "KV block size to assume when a worker does not tell "
         "(agent /v1/info, vLLM /metrics, first event)",
     ),
-    Option("max_concurrency", "int", "default cap on this router's in-flight requests per worker"),
+    Option(
+        "max_concurrency",
+        "int",
+        "default cap on this router's in-flight requests per worker (vLLM's default "
+        "max_num_seqs); beyond it requests wait in the router queue, then get 429; "
+        "0: no cap",
+    ),
     Option("agent_token", "str", "bearer token for the workers' agent streams"),
     Option("max_body_bytes", "int", "largest request body accepted (413 beyond)"),
     Option(
         "queue_size", "int", "requests that may wait when every worker is at its cap (429 beyond)"
     ),
     Option("queue_timeout_s", "float", "longest wait in that queue before 429"),
+    Option(
+        "request_head_timeout_s",
+        "float",
+        "seconds a client has to send a request's head (from connecting or from the "
+        "end of its previous answer; also the idle keep-alive timeout); closed beyond",
+    ),
+    Option(
+        "request_body_timeout_s", "float", "seconds a client has to send a request's body (408)"
+    ),
+    Option("max_n", "int", "largest 'n' (choices per request) accepted (400 beyond)"),
+    Option(
+        "max_chars_per_token",
+        "int",
+        "a text prompt longer than the model's context (max_model_len) times this many "
+        "characters is refused (400) before it is tokenized; 0: the longest token of "
+        "the model's vocabulary, as vLLM bounds it",
+    ),
     Option(
         "max_attempts",
         "int",
