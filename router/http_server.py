@@ -6,14 +6,16 @@
   error, not with aiohttp's plain text; the connection then closes.
 - A client must send a request's head within ``head_timeout_s`` of connecting or of the
   end of its previous answer; a half-sent head is closed then. This is aiohttp's
-  ``keepalive_timeout``, which (aiohttp 3.10+) runs from the connection's start and
-  closes a connection whose handler still waits for a whole head; it also bounds how
-  long an idle keep-alive connection stays open. The body has its own deadline, in the
-  request path (``Proxy``).
+  ``keepalive_timeout``: since aiohttp 3.14.5 (the floor in pyproject.toml) it runs
+  from the connection's start, and it closes a connection still waiting for a whole
+  head; it also bounds how long an idle keep-alive connection stays open. The body has
+  its own deadline, in the request path (``Proxy``).
 
-NOTE: aiohttp has no public hook for the parser's errors (aio-libs/aiohttp#3287): the
-runner's server is made to build a ``RequestHandler`` subclass whose ``handle_error``
-(aiohttp's documented override point on the protocol) renders the JSON.
+NOTE: aiohttp has no public hook for the parser's errors (aio-libs/aiohttp#3287). The
+runner's ``web.Server`` becomes a subclass (same state) whose protocol factory builds a
+``RequestHandler`` subclass; its ``handle_error``, the method aiohttp calls for every
+error it answers itself, renders the JSON. A test per error kind guards this seam
+against aiohttp upgrades.
 """
 
 from __future__ import annotations
@@ -41,8 +43,10 @@ class _JsonErrorRequestHandler(RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
-        # NOTE: a bad request from a client is routine, not a router fault: no traceback.
-        log.debug("refused a request from %s: HTTP %d (%r)", request.remote, status, exc)
+        if status >= 500:
+            log.error("error handling a request from %s", request.remote, exc_info=exc)
+        else:  # a bad request from a client is routine, not a router fault
+            log.debug("refused a request from %s: HTTP %d (%r)", request.remote, status, exc)
         if request.writer.output_size > 0:  # as aiohttp: too late for another answer
             raise ConnectionError("response already started; cannot send an error")
         return protocol_error_response(status, exc)
