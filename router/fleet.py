@@ -107,7 +107,9 @@ class Fleet:
         self.subscriber: Subscriber | None = None
         self._listeners: list[Callable[[], None]] = []
         self.known_models: set[str] = set()  # served by some worker ever probed
-        self.model_to_max_model_len: dict[str, int] = {}  # from workers' /v1/models
+        # the largest context any worker reported in /v1/models (so never refuse a
+        # request some worker could serve)
+        self.model_to_max_model_len: dict[str, int] = {}
         self._removal_listeners: list[Callable[[WorkerId], None]] = []
         self._check_now = asyncio.Event()  # wakes the health loop early (new workers)
 
@@ -233,7 +235,9 @@ class Fleet:
         worker.view.models = frozenset(models)
         worker.view.loras = frozenset(loras)
         self.known_models |= models | loras
-        self.model_to_max_model_len.update(_max_model_lens(listing))
+        for name, length in _max_model_lens(listing).items():
+            known = self.model_to_max_model_len.get(name, 0)
+            self.model_to_max_model_len[name] = max(known, length)
         worker.view.namespace = Namespace(
             model=model,
             tokenizer_fingerprint=tokenizer.fingerprint,

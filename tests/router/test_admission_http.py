@@ -77,7 +77,12 @@ def test_overload_cap_is_on_by_default() -> None:
     async def main() -> None:
         async with (
             fake_workers(FakeBehaviour(mode="hold")) as (worker,),
-            running_router(router_config([worker], queue_size=0)) as (app, url),
+            # NOTE: 256 connects at once overflow the fake's listen backlog (128); the
+            # retransmitted SYNs need more than the fakes' 1 s connect timeout.
+            running_router(router_config([worker], queue_size=0, connect_timeout_s=30.0)) as (
+                app,
+                url,
+            ),
         ):
             view = next(iter(app[FLEET].workers.values())).view
             assert view.max_concurrency == 256
