@@ -18,8 +18,12 @@ Invariants:
 - within a lane, freed capacity goes to the tenants in turn, and within a tenant to its
   oldest waiter; a tenant whose waiter finds no worker keeps its turn;
 - after ``notify()`` returns, no lane has both a waiter and a pick that would succeed;
-- ``num_waiting`` counts the requests inside ``admit`` past their first try; a lane with
-  no waiter is dropped, so memory is bounded by ``max_waiting``.
+- ``num_waiting`` counts the requests inside ``admit`` past their first try (less the
+  evicted), at most ``max_waiting``; a lane with no waiter is dropped, so memory is
+  bounded by ``max_waiting``;
+- a full queue refuses an arrival only if its tenant already holds a fair share: when
+  some tenant holds at least two more places than the arrival's, that tenant's newest
+  waiter is refused (429) instead, so one tenant's flood cannot lock others out.
 
 NOTE: ``notify()`` itself picks for the waiters, in turn order, until a pick fails, and
 hands each waiter its pick: no waiter is woken to find the slot taken, and the order is
@@ -49,6 +53,8 @@ ANONYMOUS_TENANT = ""  # the one tenant of requests without an authenticated ten
 class _Waiter:
     try_pick: Callable[[], Any]
     picked: asyncio.Future[Any]  # its pick, set by ``_Lane.serve``
+    arrival: int  # arrival order in the queue (larger: newer)
+    holds_place: bool = True  # counted in ``num_waiting`` (False once evicted)
 
 
 @dataclass(slots=True)
@@ -112,7 +118,9 @@ class AdmissionQueue:
         self._timeout_s = timeout_s
         self._on_depth = on_depth
         self._key_to_lane: dict[Hashable, _Lane] = {}
+        self._tenant_to_num_waiting: dict[str, int] = {}  # places held, all lanes
         self.num_waiting = 0  # requests inside ``admit`` waiting for capacity, all lanes
+        self._num_arrivals = 0  # waiters ever queued (their arrival numbers)
 
     @property
     def retry_after_s(self) -> float:
@@ -137,14 +145,16 @@ class AdmissionQueue:
             picked = try_pick()
             if picked is not None:
                 return picked
-        if self.num_waiting >= self._max_waiting:
+        tenant = ANONYMOUS_TENANT if tenant is None else tenant
+        if self.num_waiting >= self._max_waiting and not self._evict_for(tenant):
             raise overloaded(self.retry_after_s)
+        lane = self._key_to_lane.get(key)  # the eviction may have dropped it
         if lane is None:
             lane = self._key_to_lane[key] = _Lane()
-        tenant = ANONYMOUS_TENANT if tenant is None else tenant
-        waiter = _Waiter(try_pick, asyncio.get_running_loop().create_future())
+        self._num_arrivals += 1
+        waiter = _Waiter(try_pick, asyncio.get_running_loop().create_future(), self._num_arrivals)
         lane.enqueue(tenant, waiter)
-        self._add_waiting(lane, +1)
+        self._add_waiting(lane, tenant, +1)
         try:
             async with asyncio.timeout(self._timeout_s):
                 result: T = await waiter.picked
@@ -159,9 +169,9 @@ class AdmissionQueue:
             raise
         finally:
             lane.discard(tenant, waiter)
-            self._add_waiting(lane, -1)
-            if lane.num_waiting == 0 and self._key_to_lane.get(key) is lane:
-                del self._key_to_lane[key]
+            if waiter.holds_place:
+                self._add_waiting(lane, tenant, -1)
+                self._maybe_drop_lane(key, lane)
 
     def notify(self) -> None:
         """Capacity may have freed: serve the waiters of every lane that can pick now."""
@@ -170,6 +180,8 @@ class AdmissionQueue:
 
     def check_invariants(self) -> None:
         total = 0
+        assert sum(self._tenant_to_num_waiting.values()) == self.num_waiting
+        assert all(n > 0 for n in self._tenant_to_num_waiting.values())
         for lane in self._key_to_lane.values():
             assert lane.num_waiting > 0
             total += lane.num_waiting
@@ -180,7 +192,43 @@ class AdmissionQueue:
             assert queued <= lane.num_waiting
         assert total == self.num_waiting <= self._max_waiting
 
-    def _add_waiting(self, lane: _Lane, delta: int) -> None:
+    # --- internal updates -------------------------------------------------------------
+
+    def _add_waiting(self, lane: _Lane, tenant: str, delta: int) -> None:
         lane.num_waiting += delta
         self.num_waiting += delta
+        num_of_tenant = self._tenant_to_num_waiting.get(tenant, 0) + delta
+        if num_of_tenant:
+            self._tenant_to_num_waiting[tenant] = num_of_tenant
+        else:
+            del self._tenant_to_num_waiting[tenant]
         self._on_depth(self.num_waiting)
+
+    def _maybe_drop_lane(self, key: Hashable, lane: _Lane) -> None:
+        if lane.num_waiting == 0 and self._key_to_lane.get(key) is lane:
+            del self._key_to_lane[key]
+
+    def _evict_for(self, tenant: str) -> bool:
+        """The queue is full: refuse the newest queued waiter of the tenant holding the
+        most places, if it holds at least two more than ``tenant``. Cost: O(tenants +
+        places), only when the queue is full."""
+        if not self._tenant_to_num_waiting:
+            return False
+        victim = max(self._tenant_to_num_waiting, key=self._tenant_to_num_waiting.__getitem__)
+        own = self._tenant_to_num_waiting.get(tenant, 0)
+        if self._tenant_to_num_waiting[victim] < own + 2:
+            return False
+        newest: tuple[int, Hashable, _Lane, _Waiter] | None = None
+        for key, lane in self._key_to_lane.items():
+            for waiter in lane.tenant_to_waiters.get(victim, ()):
+                if not waiter.picked.done() and (newest is None or waiter.arrival > newest[0]):
+                    newest = (waiter.arrival, key, lane, waiter)
+        if newest is not None:
+            _, key, lane, evicted = newest
+            lane.discard(victim, evicted)
+            evicted.holds_place = False
+            self._add_waiting(lane, victim, -1)
+            self._maybe_drop_lane(key, lane)
+            evicted.picked.set_exception(overloaded(self.retry_after_s))
+            return True
+        return False  # its places are all picks on their way to their requests

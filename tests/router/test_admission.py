@@ -196,6 +196,45 @@ def test_a_tenant_whose_pick_fails_keeps_its_turn() -> None:
     run(main(), timeout_s=10)
 
 
+def test_a_full_queue_refuses_the_tenant_holding_the_most_places() -> None:
+    """One tenant's flood fills the queue; another tenant's arrival takes the place of
+    the flood's newest waiter (429), until both hold about the same share."""
+
+    async def main() -> None:
+        slots = Slots(0)
+        queue = AdmissionQueue(max_waiting=4, timeout_s=5.0)
+
+        async def waiter(name: str) -> str:
+            await queue.admit(slots.take, key=name[1], tenant=name[0])
+            return name
+
+        tasks = {}
+        for name in ["ax1", "ax2", "ay3", "ax4", "bx1", "by2", "bx3"]:
+            tasks[name] = asyncio.create_task(waiter(name))
+            for _ in range(3):
+                await asyncio.sleep(0)
+            queue.check_invariants()
+        assert queue.num_waiting == 4
+        for evicted in ("ax4", "ay3"):  # the flood's newest, whatever their model
+            with pytest.raises(ApiError) as refused:
+                await tasks[evicted]
+            assert refused.value.status == 429 and "Retry-After" in refused.value.headers
+        with pytest.raises(ApiError):  # b holds 2 of 4 places: its own share
+            await tasks["bx3"]
+        slots.free = 4
+        queue.notify()
+        assert {await tasks[n] for n in ("ax1", "ax2", "bx1", "by2")} == {
+            "ax1",
+            "ax2",
+            "bx1",
+            "by2",
+        }
+        queue.check_invariants()
+        assert queue.num_waiting == 0
+
+    run(main(), timeout_s=10)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     steps=st.lists(
@@ -215,7 +254,7 @@ def test_random_arrivals_frees_and_cancels_keep_the_queue_consistent(
 
     async def main() -> None:
         lanes = {"x": Slots(0), "y": Slots(0)}
-        queue = AdmissionQueue(max_waiting=12, timeout_s=30.0)
+        queue = AdmissionQueue(max_waiting=5, timeout_s=30.0)  # small: full, evictions
         tasks: list[tuple[str, str, asyncio.Task[int]]] = []
         served: list[tuple[str, str, int]] = []  # (lane, tenant, arrival number)
 
