@@ -33,6 +33,7 @@ from router.dashboard import add_dashboard
 from router.discovery import Discovery, discovery_from_config
 from router.errors import ApiError, error_middleware
 from router.fleet import Fleet, TokenizerRegistry
+from router.http_server import RouterRunner
 from router.lifecycle import Lifecycle
 from router.metrics import RouterMetrics
 from router.proxy import Proxy
@@ -293,7 +294,17 @@ async def _tracer(app: web.Application) -> AsyncIterator[None]:
 
 async def start_server(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
     """Run ``app`` on ``host:port`` (0: a free port); returns the runner and base URL."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    config = app.get(CONFIG)
+    runner = (
+        RouterRunner(
+            app,
+            head_timeout_s=config.request_head_timeout_s,
+            handler_cancellation=True,
+            access_log=None,
+        )
+        if config is not None  # the router; other apps (test doubles, agents) run plain
+        else web.AppRunner(app, handler_cancellation=True, access_log=None)
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -160,7 +160,11 @@ class RouterConfig:
         minimum=1,
     )
     max_concurrency: int | None = option(
-        None, "default cap on this router's in-flight requests per worker", minimum=1
+        256,
+        "default cap on this router's in-flight requests per worker (vLLM's default "
+        "max_num_seqs); beyond it requests wait in the router queue, then get 429; "
+        "0: no cap",
+        minimum=0,
     )
     agent_token: str | None = option(None, "bearer token for the workers' agent streams")
     max_body_bytes: int = option(
@@ -170,6 +174,23 @@ class RouterConfig:
         256, "requests that may wait when every worker is at its cap (429 beyond)", minimum=0
     )
     queue_timeout_s: float = option(30.0, "longest wait in that queue before 429", minimum=0)
+    request_head_timeout_s: float = option(
+        10.0,
+        "seconds a client has to send a request's head (from connecting or from the "
+        "end of its previous answer; also the idle keep-alive timeout); closed beyond",
+        minimum=0.001,
+    )
+    request_body_timeout_s: float = option(
+        60.0, "seconds a client has to send a request's body (408)", minimum=0.001
+    )
+    max_n: int = option(16, "largest 'n' (choices per request) accepted (400 beyond)", minimum=1)
+    max_chars_per_token: int = option(
+        0,
+        "a text prompt longer than the model's context (max_model_len) times this many "
+        "characters is refused (400) before it is tokenized; 0: the longest token of "
+        "the model's vocabulary, as vLLM bounds it",
+        minimum=0,
+    )
     max_attempts: int = option(
         3, "workers tried per request on connect errors / 5xx before the first byte", minimum=1
     )

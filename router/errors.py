@@ -24,7 +24,10 @@ _TYPE_OF_STATUS: dict[int, str] = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
+    431: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     502: "upstream_error",
@@ -47,6 +50,7 @@ class ApiError(Exception):
         code: str | None = None,
         error_type: str | None = None,
         headers: dict[str, str] | None = None,
+        close_connection: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -55,17 +59,21 @@ class ApiError(Exception):
         self.code = code
         self.error_type = error_type or _TYPE_OF_STATUS.get(status, "api_error")
         self.headers = headers or {}
+        self.close_connection = close_connection  # the request was not read whole
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.error_type, param=self.param, code=self.code)
 
     def response(self) -> web.Response:
-        return web.Response(
+        response = web.Response(
             status=self.status,
             body=_encoder.encode(self.body()),
             content_type="application/json",
             headers=self.headers,
         )
+        if self.close_connection:
+            response.force_close()
+        return response
 
 
 def error_body(
@@ -94,14 +102,43 @@ def model_not_found(model: str) -> ApiError:
     )
 
 
-def overloaded(retry_after_s: float) -> ApiError:
+def overloaded(retry_after_s: float, *, timed_out: bool = False) -> ApiError:
     seconds = max(1, round(retry_after_s))
+    reason = "no worker freed up in time" if timed_out else "the router queue is full"
     return ApiError(
         429,
-        "All workers are at capacity and the router queue is full; retry later.",
+        f"All workers serving this model are at capacity and {reason}; retry later.",
         code="overloaded",
         headers={"Retry-After": str(seconds)},
     )
+
+
+def request_timeout(what: str, timeout_s: float) -> ApiError:
+    """The client did not send ``what`` within ``timeout_s``; the connection closes."""
+    return ApiError(
+        408,
+        f"The request {what} did not arrive within {timeout_s:g} s.",
+        code="request_timeout",
+        close_connection=True,
+    )
+
+
+def protocol_error_response(status: int, exc: BaseException | None) -> web.Response:
+    """The answer to a request aiohttp's HTTP parser refused (bad head, oversize
+    header, unsupported encoding), in OpenAI JSON; the connection closes.
+
+    NOTE: the parser's own message is not echoed: it may quote the client's bytes.
+    """
+    kind = type(exc).__name__ if exc is not None else "BadHttpMessage"
+    if status >= 500:
+        message = "Internal router error."
+    elif kind == "LineTooLong":
+        message = "A request line or header is too long."
+    elif kind == "ContentEncodingError":
+        message = "The request body's Content-Encoding is not supported or does not decode."
+    else:
+        message = f"The HTTP request could not be parsed ({kind})."
+    return ApiError(status, message, code="bad_http_request", close_connection=True).response()
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -107,6 +107,9 @@ class Fleet:
         self.subscriber: Subscriber | None = None
         self._listeners: list[Callable[[], None]] = []
         self.known_models: set[str] = set()  # served by some worker ever probed
+        # the largest context any worker reported in /v1/models (so never refuse a
+        # request some worker could serve)
+        self.model_to_max_model_len: dict[str, int] = {}
         self._removal_listeners: list[Callable[[WorkerId], None]] = []
         self._check_now = asyncio.Event()  # wakes the health loop early (new workers)
 
@@ -232,6 +235,9 @@ class Fleet:
         worker.view.models = frozenset(models)
         worker.view.loras = frozenset(loras)
         self.known_models |= models | loras
+        for name, length in _max_model_lens(listing).items():
+            known = self.model_to_max_model_len.get(name, 0)
+            self.model_to_max_model_len[name] = max(known, length)
         worker.view.namespace = Namespace(
             model=model,
             tokenizer_fingerprint=tokenizer.fingerprint,
@@ -308,7 +314,7 @@ class Fleet:
             healthy=False,
             models=frozenset(),
             loras=frozenset(),
-            max_concurrency=spec.max_concurrency or self._config.max_concurrency,
+            max_concurrency=spec.max_concurrency or self._config.max_concurrency or None,
             load=WorkerLoad(),
         )
         self.workers[worker_id] = FleetWorker(spec=spec, view=view)
@@ -358,6 +364,16 @@ def _models_of(listing: dict[str, Any]) -> tuple[set[str], set[str]]:
         parent = entry.get("parent")
         (loras if parent and parent != name else models).add(name)
     return models, loras
+
+
+def _max_model_lens(listing: dict[str, Any]) -> dict[str, int]:
+    """Context lengths from ``/v1/models`` (vLLM's ``max_model_len``; absent: unknown)."""
+    lengths: dict[str, int] = {}
+    for entry in listing.get("data", []):
+        length = entry.get("max_model_len")
+        if isinstance(length, int) and not isinstance(length, bool) and length > 0:
+            lengths[str(entry["id"])] = length
+    return lengths
 
 
 def _with_block_size(ns: Namespace, block_size: int) -> Namespace:

@@ -49,8 +49,8 @@ class RouterMetrics:
         r = self.registry
         self.requests = Counter(
             _PREFIX + "requests",
-            "Requests answered, by policy, worker (none: answered by the router itself) "
-            "and HTTP status",
+            "Requests, each counted once with the status its client got (499: the client "
+            "went away), by policy and the worker of its last attempt (none: no worker)",
             ["policy", "worker", "status"],
             registry=r,
         )

@@ -2,10 +2,13 @@
 
 Life of one request (``Proxy.handle``):
 
-1. read the body (``max_body_bytes``, else 413), parse and type-check it (400), check
-   the model is served (404; 503 when only unhealthy workers serve it);
+1. read the body (``max_body_bytes``, else 413; within ``request_body_timeout_s``, else
+   408), parse and type-check it (400), check the model is served (404; 503 when only
+   unhealthy workers serve it) and the request fits the model's limits
+   (``router.limits``: 400 before any tokenization);
 2. tokenize exactly as the engine will (``ModelTokenizer``), build a ``RoutingRequest``;
-3. ``scheduler.pick`` through the ``AdmissionQueue`` (wait, or 429 with Retry-After);
+3. ``scheduler.pick`` through the ``AdmissionQueue``, in the lane of the request's
+   (model, LoRA) and as its tenant (wait, or 429 with Retry-After);
 4. forward the body unchanged except router-owned fields (``stream_options.include_usage``
    when streaming, so usage can be read; ``cache_salt`` from the tenant). Connect errors
    and 5xx before the first byte retry on the next-best worker (``exclude=``, at most
@@ -15,6 +18,10 @@ Life of one request (``Proxy.handle``):
    first byte, an upstream failure ends the stream with an error event;
 6. ``on_first_token`` / ``on_finish`` with the engine's ``cached_tokens``; a True from
    ``on_finish`` (drift persisted) resyncs that worker's index.
+
+Every request is counted in ``requests_total`` exactly once, in ``handle``, with the
+status the client got: the router's own errors, 499 when the client went away (the
+handler was cancelled, streaming or not), 500 on a router bug.
 
 NOTE: the upstream request runs inside the client's handler task; the server runs with
 handler cancellation, so a client that disconnects cancels the task, which closes the
@@ -36,8 +43,9 @@ from kvindex.index import WorkerId
 from router.admission import AdmissionQueue
 from router.cache_report import CacheReporter
 from router.config import RouterConfig
-from router.errors import ApiError, bad_request, model_not_found
+from router.errors import ApiError, bad_request, model_not_found, request_timeout
 from router.fleet import Fleet, TokenizerRegistry
+from router.limits import ModelLimits, check_limits, model_limits
 from router.metrics import RouterMetrics
 from router.request_log import REQUEST_RECORD, RequestRecord, log_request
 from router.requests import ParsedRequest, RequestKind, first_prompt, parse_request
@@ -57,6 +65,10 @@ log = logging.getLogger(__name__)
 
 TENANT_KEY = web.RequestKey("kvroute_tenant", str)  # tenant id, set by ``router.auth``
 _TENANT_LEASE = web.RequestKey("kvroute_tenant_lease", TenantLease)
+_CLIENT_GONE = 499  # the status counted when the client went away before its answer
+# Encodings aiohttp decodes (br/zstd when their libraries are installed, else its
+# parser refuses them); any other value would reach the JSON decoder as it is.
+_CONTENT_ENCODINGS = frozenset({"", "identity", "gzip", "deflate", "br", "zstd"})
 _PATHS: dict[RequestKind, str] = {
     "completion": "/v1/completions",
     "chat": "/v1/chat/completions",
@@ -75,6 +87,15 @@ class HitCounter:
 
 
 @dataclass(slots=True)
+class _Outcome:
+    """What ``requests_total`` records for one request (set as the request advances)."""
+
+    policy: str
+    worker: str = "none"  # the worker of the last attempt
+    status: int = 500  # the client's status; stays 500 if nothing else is learnt
+
+
+@dataclass(slots=True)
 class Proxy:
     config: RouterConfig
     fleet: Fleet
@@ -89,39 +110,39 @@ class Proxy:
     tracer: RequestTracer | None = None  # None: tracing off, no span is made
     request_log: bool = True  # one log line per request
     auth: Auth | None = None  # tenants: cache salt and limits
+    model_to_limits: dict[str, ModelLimits] = field(default_factory=dict)  # memo
 
     async def handle(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
+        """Answer one client request; count it once (``requests_total``) with the status
+        its client got, and write its log line and trace."""
+        outcome = _Outcome(policy=self.scheduler.policy.name)
         record = RequestRecord.start(request, kind)
         if self.tracer is not None:
             record.trace = self.tracer.start_request(request, kind)
         request[REQUEST_RECORD] = record
-        status: int | None = None
         try:
-            response = await self._handle(request, kind)
-            status = response.status
-            return response
-        except ApiError as exc:  # answered by the router itself, no worker involved
-            status = exc.status
-            self.metrics.count_request(self.scheduler.policy.name, "none", str(exc.status))
+            return await self._handle(request, kind, outcome)
+        except ApiError as exc:  # the router's own answer (or a worker's, turned 5xx)
+            outcome.status = exc.status
             raise
-        except asyncio.CancelledError:
-            status = 499  # the client went away
-            raise
-        except Exception:
-            status = 500  # rendered by the error middleware
+        except asyncio.CancelledError:  # the client went away (handler cancellation)
+            outcome.status = _CLIENT_GONE
             raise
         finally:
-            self._observe_end(record, status)
+            self.metrics.count_request(outcome.policy, outcome.worker, str(outcome.status))
+            self._observe_end(record, outcome.status)
 
-    async def _handle(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge as exc:
-            raise ApiError(413, f"Request body too large: {exc.text}") from None
+    async def _handle(
+        self, request: web.Request, kind: RequestKind, outcome: _Outcome
+    ) -> web.StreamResponse:
+        raw = await self._read_body(request)
         parsed = parse_request(kind, raw, request.headers.get(self.config.session_header))
         record = request[REQUEST_RECORD]
         record.model, record.tenant = parsed.model, request.get(TENANT_KEY)
         self._check_model(parsed.model)
+        base_model = self._base_model_of_lora(parsed.model)
+        limits = self._limits_of(base_model or parsed.model)
+        check_limits(parsed, limits, self.config.max_n, self.config.max_chars_per_token)
         tenant = self._apply_tenant(request, parsed)
         started_ns = time.time_ns()
         routing = self._routing_request(parsed)
@@ -134,11 +155,18 @@ class Proxy:
         lease = self._admit_tenant(request, tenant, len(routing.prompt_token_ids))
         try:
             started_ns = time.time_ns()
-            decision = await self.queue.admit(lambda: self._pick(routing, ()))
+            decision = await self.queue.admit(
+                lambda: self._pick(routing, ()),
+                key=(routing.model, routing.lora_name),
+                tenant=record.tenant,
+                release=self._release_unused,
+            )
             record.admission_ns = (started_ns, time.time_ns())
             if self.cache_report.enabled:
                 self._offer_to_cache_report(record.tenant, routing, decision)
-            return await self._forward_with_retries(request, parsed, routing, payload, decision)
+            return await self._forward_with_retries(
+                request, parsed, routing, payload, decision, outcome
+            )
         finally:
             if lease is not None:
                 lease.release()
@@ -175,6 +203,40 @@ class Proxy:
             raise
         request[_TENANT_LEASE] = lease
         return lease
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        encoding = request.headers.get("Content-Encoding", "").strip().lower()
+        if encoding not in _CONTENT_ENCODINGS:
+            raise ApiError(
+                400,
+                "Unsupported Content-Encoding; use identity, gzip or deflate.",
+                code="unsupported_content_encoding",
+                close_connection=True,
+            )
+        timeout_s = self.config.request_body_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await request.read()
+        except TimeoutError:
+            raise request_timeout("body", timeout_s) from None
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise ApiError(413, f"Request body too large: {exc.text}") from None
+        except web.RequestPayloadError:  # a body that does not decode, a broken chunk
+            raise ApiError(
+                400,
+                "The request body could not be read (bad encoding or framing).",
+                code="bad_request_body",
+                close_connection=True,
+            ) from None
+
+    def _limits_of(self, model: str) -> ModelLimits:
+        """What the router knows of ``model``'s limits (vocabulary from its tokenizer,
+        loaded once; context length as workers report it, so not memoised)."""
+        limits = self.model_to_limits.get(model)
+        if limits is None:
+            limits = model_limits(self.tokenizers.get(model), self.tokenizers.dir_of(model))
+            self.model_to_limits[model] = limits
+        return limits.with_context(self.fleet.model_to_max_model_len.get(model))
 
     def _check_model(self, model: str) -> None:
         if self.fleet.serves(model):
@@ -234,6 +296,10 @@ class Proxy:
                 return view.namespace.model
         return None
 
+    def _release_unused(self, decision: Decision) -> None:
+        """A pick made for a request that left the queue before using it."""
+        self.scheduler.on_finish(decision, num_cached_tokens=None, ok=False)
+
     def _pick(self, routing: RoutingRequest, exclude: tuple[WorkerId, ...]) -> Decision | None:
         # NOTE: the decision's phase timings are recorded by ``_finish``, once the client
         # has its answer; every decision picked here reaches ``_finish`` through an Attempt.
@@ -246,6 +312,7 @@ class Proxy:
         routing: RoutingRequest,
         payload: bytes,
         decision: Decision,
+        outcome: _Outcome,
     ) -> web.StreamResponse:
         excluded: list[WorkerId] = []
         last_error = "no worker available"
@@ -259,6 +326,7 @@ class Proxy:
             attempt = self._attempt(decision, parsed, payload)
             record.attempts.append(attempt)
             trace = record.trace
+            outcome.policy, outcome.worker = decision.policy, str(decision.worker_id)
             try:
                 if decision.worker_id not in self.fleet.workers:  # removed after the pick
                     raise RetryableError("connect", f"worker {decision.worker_id} left the fleet")
@@ -286,6 +354,7 @@ class Proxy:
             lease = request.get(_TENANT_LEASE)
             if lease is not None:  # the completion's share of the tenant's budget
                 lease.charge_completion(attempt.completion_tokens)
+            outcome.status = attempt.status if attempt.status is not None else 500
             return response
         status = 504 if "timeout" in last_error else 502
         raise ApiError(
@@ -335,8 +404,6 @@ class Proxy:
             self.metrics.observe_phase(phase, seconds)
         worker = decision.worker_id
         cached = attempt.cached_tokens
-        if attempt.status is not None:
-            self.metrics.count_request(decision.policy, worker, str(attempt.status))
         if ok:
             self._record_ok(attempt)
         if self.scheduler.on_finish(decision, num_cached_tokens=cached, ok=ok):

@@ -29,6 +29,8 @@ class ParsedRequest:
     client_wants_usage: bool  # stream_options.include_usage as the client sent it
     session_key: str | None
     max_tokens: int | None
+    n: int | None = None  # choices asked for
+    truncates: bool = False  # truncate_prompt_tokens set: the engine cuts, not refuses
     modified: bool = False  # body differs from the bytes the client sent
 
     def set_field(self, key: str, value: Any) -> None:
@@ -47,6 +49,8 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         body = _decoder.decode(raw)
     except msgspec.DecodeError as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad_request("The request body's JSON is nested too deeply.") from None
     if not isinstance(body, dict):
         raise bad_request(f"The request body must be a JSON object, not {_json_type(body)}.")
     return body
@@ -70,6 +74,7 @@ def parse_request(kind: RequestKind, raw: bytes, session_header_value: str | Non
         max_tokens = _typed(body, "max_completion_tokens", int)
     user = _typed(body, "user", str)
     _typed(body, "cache_salt", str)
+    n = _typed(body, "n", int)
     return ParsedRequest(
         kind=kind,
         body=body,
@@ -78,6 +83,8 @@ def parse_request(kind: RequestKind, raw: bytes, session_header_value: str | Non
         client_wants_usage=include_usage,
         session_key=session_header_value or user,
         max_tokens=max_tokens,
+        n=n,
+        truncates=body.get("truncate_prompt_tokens") is not None,
     )
 
 
@@ -118,11 +125,14 @@ def _check_prompt(prompt: Any) -> None:
     )
 
 
-_TokenIds = list[Annotated[int, msgspec.Meta(ge=0)]]
+# NOTE: the bound keeps absurd ids (2**64) out of the hashing code; the real bound, the
+# model's vocabulary, is checked by the proxy (``max_token_id``).
+MAX_TOKEN_ID = 2**31 - 1
+_TokenIds = list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]]
 
 
 def is_token_ids(values: list[Any]) -> bool:
-    """Non-empty, every item a non-negative ``int`` (not ``bool``).
+    """Non-empty, every item an ``int`` (not ``bool``) in [0, ``MAX_TOKEN_ID``].
 
     Cost: one C-level pass (about 60 us for 8,192 ids, ~18x less than a generator of
     ``isinstance`` checks); the only validation a token-id prompt gets on the hot path.
@@ -154,6 +164,45 @@ def _check_messages(messages: Any) -> None:
                 f"got {_json_type(content)}.",
                 param=f"messages[{i}].content",
             )
+
+
+def max_token_id(body: dict[str, Any]) -> int | None:
+    """The largest token id of a token-id prompt (all of a batch); None: text prompts.
+    Call after ``parse_request`` validated the prompt."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or not prompt or isinstance(prompt[0], str):
+        return None
+    largest: int = max(prompt) if isinstance(prompt[0], int) else max(map(max, prompt))
+    return largest
+
+
+def longest_prompt(parsed: ParsedRequest) -> tuple[int, str]:
+    """The length of the longest single prompt, and its unit ("characters" of text or
+    "tokens" of a token-id prompt); a chat counts the text of all its messages. Cheap:
+    no tokenization, so it can bound the work before tokenizing."""
+    body = parsed.body
+    if parsed.kind == "chat":
+        return sum(_text_length(m.get("content")) for m in body["messages"]), "characters"
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        return len(prompt), "characters"
+    if isinstance(prompt[0], int):
+        return len(prompt), "tokens"
+    if isinstance(prompt[0], str):
+        return max(len(p) for p in prompt), "characters"
+    return max(len(ids) for ids in prompt), "tokens"
+
+
+def _text_length(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(
+            len(part["text"])
+            for part in content
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        )
+    return 0
 
 
 def first_prompt(prompt: Any) -> str | list[int]:
@@ -196,6 +245,8 @@ __all__ = [
     "ParsedRequest",
     "first_prompt",
     "is_token_ids",
+    "longest_prompt",
+    "max_token_id",
     "parse_json_object",
     "parse_request",
 ]

@@ -38,6 +38,8 @@ class FakeBehaviour:
     lora: str | None = None  # a LoRA adapter this worker also serves
     agent_ready: bool = True  # what GET /v1/info says (the fake doubles as an agent)
     end_delay_s: float = 0.0  # between a stream's [DONE] and the end of its body
+    model: str = MODEL  # the base model this worker serves
+    max_model_len: int | None = None  # reported in /v1/models when set
 
 
 @dataclass
@@ -74,15 +76,19 @@ class FakeWorker:
         return web.json_response({})
 
     async def _agent_info(self, request: web.Request) -> web.Response:
-        info: dict[str, Any] = {"models": [MODEL], "block_size": BLOCK_SIZE,
+        info: dict[str, Any] = {"models": [self.behaviour.model], "block_size": BLOCK_SIZE,
                                 "engine_url": self.url, "epoch": 1,
                                 "ready": self.behaviour.agent_ready}  # fmt: skip
         return web.json_response(info)
 
     async def _models(self, request: web.Request) -> web.Response:
-        data = [{"id": MODEL, "object": "model", "parent": None}]
+        card: dict[str, Any] = {"id": self.behaviour.model, "object": "model", "parent": None}
+        if self.behaviour.max_model_len is not None:
+            card["max_model_len"] = self.behaviour.max_model_len
+        data = [card]
         if self.behaviour.lora:
-            data.append({"id": self.behaviour.lora, "object": "model", "parent": MODEL})
+            lora = {"id": self.behaviour.lora, "object": "model", "parent": self.behaviour.model}
+            data.append(lora)
         return web.json_response({"object": "list", "data": data})
 
     async def _metrics(self, request: web.Request) -> web.Response:

@@ -63,6 +63,16 @@ CASES: list[tuple[str, bytes, int, str | None]] = [
     ("/v1/completions", b'{"model": "kvroute-tiny", "prompt": [1, true]}', 400, "prompt"),
     ("/v1/completions", b'{"model": "kvroute-tiny", "prompt": [[1, -2]]}', 400, "prompt"),
     ("/v1/completions", b'{"model": "kvroute-tiny", "prompt": [[1], [true]]}', 400, "prompt"),
+    ("/v1/completions", b'{"model": "kvroute-tiny", "prompt": [4294967296]}', 400, "prompt"),
+    ("/v1/completions", b'{"model": "kvroute-tiny", "prompt": [319, 320]}', 400, "prompt"),
+    ("/v1/completions", b'{"model": "kvroute-tiny", "prompt": "hi", "n": "2"}', 400, "n"),
+    ("/v1/completions", b'{"model": "kvroute-tiny", "prompt": "hi", "n": 99}', 400, "n"),
+    (
+        "/v1/completions",
+        b'{"model": "kvroute-tiny", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+        400,
+        None,
+    ),
     ("/v1/chat/completions", b'{"model": "kvroute-tiny", "messages": "hi"}', 400, "messages"),
     ("/v1/chat/completions", b'{"model": "kvroute-tiny", "messages": []}', 400, "messages"),
     (

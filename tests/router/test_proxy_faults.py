@@ -86,8 +86,8 @@ def _remove_each_picked_worker(app: web.Application, monkeypatch: pytest.MonkeyP
     (as a discovery update landing while the request waited in the queue would)."""
     admit = AdmissionQueue.admit
 
-    async def admit_then_remove(queue: AdmissionQueue, try_pick: Any) -> Any:
-        decision = await admit(queue, try_pick)
+    async def admit_then_remove(queue: AdmissionQueue, try_pick: Any, **kwargs: Any) -> Any:
+        decision = await admit(queue, try_pick, **kwargs)
         app[FLEET].remove(decision.worker_id)
         return decision
 
