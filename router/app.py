@@ -33,7 +33,7 @@ from router.proxy import Proxy
 from router.scheduling.registry import create_policy
 from router.scheduling.scheduler import Scheduler
 from router.subscriptions import SubscriptionManager
-from router.upstream_http import UpstreamPool
+from router.upstream_http import UpstreamPool, client_tls_context
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,8 @@ async def _metrics(request: web.Request) -> web.Response:
 
 async def _client_session(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300)
+    tls = client_tls_context(config.worker_ca_file, verify=config.worker_tls_verify)
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300, ssl=tls)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s)
     # NOTE: workers answer plain JSON/SSE; skipping decompression and the default
     # User-Agent/Accept-Encoding headers trims per-request work on the hot path.
@@ -179,7 +180,9 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
 async def _upstream_pool(app: web.Application) -> AsyncIterator[None]:
     """The proxied requests' connections (``router.upstream_http``); health checks and
     event subscriptions use the aiohttp session."""
-    pool = UpstreamPool(connect_timeout_s=app[CONFIG].connect_timeout_s)
+    config = app[CONFIG]
+    tls = client_tls_context(config.worker_ca_file, verify=config.worker_tls_verify)
+    pool = UpstreamPool(connect_timeout_s=config.connect_timeout_s, tls=tls)
     app[UPSTREAM] = pool
     try:
         yield

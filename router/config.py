@@ -5,7 +5,8 @@ Precedence, highest first: command-line flags > ``KVROUTE_*`` env vars > the con
 with its type, default and help text; ``kvroute router --help`` prints that help, the
 env var name and the file key.
 
-Worker specs (``--worker``) read ``URL[,agent=URL][,id=NAME][,max_concurrency=N]``.
+Worker specs (``--worker``) read
+``URL[,agent=URL][,id=NAME][,max_concurrency=N][,api_key_file=PATH]``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class WorkerSpec:
     agent_url: str | None = None
     worker_id: str = ""
     max_concurrency: int | None = None
+    api_key_file: str | None = None  # this worker's API key, when not the router-wide one
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", self.url.rstrip("/"))
@@ -44,7 +46,7 @@ class WorkerSpec:
 
     @classmethod
     def parse(cls, text: str) -> WorkerSpec:
-        """``URL[,agent=URL][,id=NAME][,max_concurrency=N]``."""
+        """``URL[,agent=URL][,id=NAME][,max_concurrency=N][,api_key_file=PATH]``."""
         url, *extras = [part.strip() for part in text.split(",") if part.strip()]
         kwargs: dict[str, Any] = {}
         for extra in extras:
@@ -57,6 +59,8 @@ class WorkerSpec:
                 kwargs["worker_id"] = value
             elif key == "max_concurrency":
                 kwargs["max_concurrency"] = int(value)
+            elif key == "api_key_file":
+                kwargs["api_key_file"] = value
             else:
                 raise ValueError(f"unknown worker option {key!r} (in {text!r})")
         return cls(url=url, **kwargs)
@@ -64,7 +68,8 @@ class WorkerSpec:
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> WorkerSpec:
         """A file entry: ``{url, agent_url?, id?, max_concurrency?}``."""
-        unknown = set(data) - {"url", "agent_url", "agent", "id", "worker_id", "max_concurrency"}
+        known = {"url", "agent_url", "agent", "id", "worker_id", "max_concurrency", "api_key_file"}
+        unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown worker keys {sorted(unknown)} in {dict(data)}")
         cap = data.get("max_concurrency")
@@ -73,6 +78,7 @@ class WorkerSpec:
             agent_url=data.get("agent_url", data.get("agent")),
             worker_id=str(data.get("id", data.get("worker_id", ""))),
             max_concurrency=None if cap is None else int(cap),
+            api_key_file=data.get("api_key_file"),
         )
 
 
@@ -108,12 +114,21 @@ class RouterConfig:
     session_header: str = "x-session-id"
     salt_by_tenant: bool = False
     log_level: str = "info"
+    worker_ca_file: str | None = None
+    worker_tls_verify: bool = True
+    worker_api_key: str | None = field(default=None, repr=False)
+    worker_api_key_file: str | None = None
+    forward_headers: list[str] = field(default_factory=list)
+    max_upstream_body_bytes: int = 64 * 1024 * 1024
+    first_byte_base_s: float = 5.0
+    first_byte_margin: float = 4.0
+    debug_headers: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Option:
     name: str  # RouterConfig field; flag --name-with-dashes; env KVROUTE_NAME
-    kind: str  # str | int | float | bool | json | workers | mapping
+    kind: str  # str | int | float | bool | json | workers | mapping | list
     help: str
 
 
@@ -131,7 +146,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "workers",
         "workers",
-        "a worker: URL[,agent=URL][,id=NAME][,max_concurrency=N]; "
+        "a worker: URL[,agent=URL][,id=NAME][,max_concurrency=N][,api_key_file=PATH]; "
         "repeat the flag, or comma-free ';'-separated in env",
     ),
     Option(
@@ -186,6 +201,47 @@ OPTIONS: tuple[Option, ...] = (
     Option("session_header", "str", "header carrying the session key (else the 'user' field)"),
     Option("salt_by_tenant", "bool", "set cache_salt from the authenticated tenant"),
     Option("log_level", "str", "logging level"),
+    Option("worker_ca_file", "str", "PEM file of the CAs that sign https:// workers' certificates"),
+    Option(
+        "worker_tls_verify",
+        "bool",
+        "verify https:// workers' certificates (off: a test fleet only)",
+    ),
+    Option(
+        "worker_api_key",
+        "str",
+        "API key sent to workers as 'Authorization: Bearer' (vLLM --api-key); "
+        "prefer the env var or --worker-api-key-file to a flag",
+    ),
+    Option(
+        "worker_api_key_file",
+        "str",
+        "file holding the workers' API key (e.g. a mounted Secret); "
+        "a worker's own api_key_file= wins",
+    ),
+    Option(
+        "forward_headers",
+        "list",
+        "client request headers forwarded to workers besides x-request-id, traceparent, "
+        "tracestate and the session header (never Authorization); comma-separated",
+    ),
+    Option(
+        "max_upstream_body_bytes",
+        "int",
+        "largest non-streaming worker answer relayed (502 beyond, connection dropped)",
+    ),
+    Option(
+        "first_byte_base_s",
+        "float",
+        "first-byte deadline of a stream: this plus first_byte_margin x the worker's "
+        "predicted TTFT for its queue, capped by first_byte_timeout_s; then another worker",
+    ),
+    Option("first_byte_margin", "float", "factor on the predicted TTFT in that deadline"),
+    Option(
+        "debug_headers",
+        "bool",
+        "name the worker in an x-kvroute-worker header of errors too (internal ids)",
+    ),
 )
 
 
@@ -198,7 +254,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         if opt.name == "workers":
             flag = "--worker"
         default = getattr(defaults, opt.name)
-        shown = default if opt.kind not in ("workers", "mapping", "json") else None
+        shown = default if opt.kind not in ("workers", "mapping", "json", "list") else None
         text = f"{opt.help} [env {ENV_PREFIX}{opt.name.upper()}; default {shown}]"
         if opt.kind in ("workers", "mapping"):
             parser.add_argument(
@@ -281,6 +337,9 @@ def _convert(kind: str, value: Any) -> Any:
         if not isinstance(parsed, dict):
             raise ValueError("expected a JSON object")
         return parsed
+    if kind == "list":
+        items = value.split(",") if isinstance(value, str) else value
+        return [str(item).strip() for item in items if str(item).strip()]
     if kind == "workers":
         return parse_workers(value)
     if kind == "mapping":

@@ -1,15 +1,17 @@
 """A lean HTTP/1.1 client for the router -> worker hop (raw asyncio protocols).
 
-It does only what the hop needs: ``POST`` a JSON body to a worker, read the status line
-and the two headers the router uses (``Content-Type``, and the framing ones), then the
-body as it arrives, framed by ``Content-Length``, ``chunked`` or the end of the
-connection. Connections are kept alive in a per-worker pool.
+It does only what the hop needs: ``POST`` a JSON body to a worker (``http://`` or
+``https://``), with the request's context headers, read the status and ``Content-Type``,
+then the body as it arrives. llhttp (``httptools``, in ``router.upstream_http_framing``)
+parses the response; this module owns the sockets, the pool and the waiting.
+Connections are kept alive in a per-worker pool.
 
 NOTE: why not ``aiohttp.ClientSession``: profiled with a CPU clock, the upstream hop
 and SSE relay through it were ~60% of the router's request-handler CPU (request and
 response objects, header multidicts, cookie jar, tracing hooks, a stream reader with
 its own buffering, an ``asyncio.timeout`` per read). Health checks and event
-subscriptions still use the aiohttp session; only the hot path uses this client.
+subscriptions still use the aiohttp session; only the hot path uses this client. The
+HTTP parsing itself is llhttp's, the parser under aiohttp and uvicorn.
 
 Invariants:
 
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 from typing import Literal, cast
 from urllib.parse import urlsplit
 
-from router.upstream_http_parser import ProtocolError, ResponseParser
+from router.upstream_http_framing import ProtocolError, ResponseParser
 
 __all__ = [
     "ConnectError",
@@ -43,6 +45,7 @@ __all__ = [
     "ProtocolError",
     "UpstreamPool",
     "UpstreamResponse",
+    "client_tls_context",
 ]
 
 _HIGH_WATER_BYTES = 256 * 1024  # pause reading the socket above this many unread bytes
@@ -62,13 +65,13 @@ _Key = tuple[str, int, bool]  # (host, port, TLS)
 
 @dataclass(frozen=True, slots=True)
 class _Target:
-    """Where one URL points, parsed once; ``head`` is the request head up to the length."""
+    """Where one URL points, parsed once; ``head`` is the request head's fixed start."""
 
     key: _Key
     host: str
     port: int
     use_tls: bool
-    head: bytes  # b"POST <path> HTTP/1.1\r\nHost: ...\r\n...Content-Length: "
+    head: bytes  # b"POST <path> HTTP/1.1\r\nHost: ...\r\nContent-Type: ...\r\n"
 
 
 def _parse_target(url: str) -> _Target:
@@ -91,7 +94,7 @@ def _parse_target(url: str) -> _Target:
         path += "?" + parts.query
     head = (
         f"POST {path} HTTP/1.1\r\nHost: {parts.netloc.rpartition('@')[2]}\r\n"
-        "Content-Type: application/json\r\nContent-Length: "
+        "Content-Type: application/json\r\n"
     ).encode("latin-1")
     return _Target((parts.hostname, port, use_tls), parts.hostname, port, use_tls, head)
 
@@ -267,17 +270,24 @@ class UpstreamResponse:
 class UpstreamPool:
     """Keep-alive HTTP/1.1 connections to workers, and ``post`` over them."""
 
-    def __init__(self, *, connect_timeout_s: float) -> None:
+    def __init__(self, *, connect_timeout_s: float, tls: ssl.SSLContext | None = None) -> None:
+        """``tls``: the context for ``https://`` workers (default: the system's CAs,
+        certificates verified)."""
         self.connect_timeout_s = connect_timeout_s
         self.num_connects = 0  # connections opened since start
         self._key_to_idle: dict[_Key, list[_Connection]] = {}
         self._busy: set[_Connection] = set()
         self._url_to_target: dict[str, _Target] = {}
-        self._tls: ssl.SSLContext | None = None
+        self._tls = tls
         self._closed = False
 
-    async def post(self, url: str, body: bytes, *, deadline: float) -> UpstreamResponse:
+    async def post(
+        self, url: str, body: bytes, *, deadline: float, headers: bytes = b""
+    ) -> UpstreamResponse:
         """Send ``body`` to ``url``; returns once the response head has arrived.
+
+        ``headers``: more request header lines, each ``Name: value\\r\\n``, already
+        checked by the caller (no CR or LF inside a value).
 
         Raises ``ConnectError`` (an unusable URL, connect failed, or
         ``connect_timeout_s`` passed), ``TimeoutError`` (no head by ``deadline``, a
@@ -288,7 +298,7 @@ class UpstreamPool:
         target = self._url_to_target.get(url)
         if target is None:
             target = self._url_to_target[url] = _parse_target(url)
-        data = target.head + b"%d\r\n\r\n" % len(body) + body
+        data = b"%sContent-Length: %d\r\n\r\n%s" % (target.head + headers, len(body), body)
         conn = self._take_idle(target.key)
         if conn is not None:
             try:
@@ -374,5 +384,19 @@ class UpstreamPool:
 
     def _tls_context(self) -> ssl.SSLContext:
         if self._tls is None:
-            self._tls = ssl.create_default_context()
+            self._tls = client_tls_context()
         return self._tls
+
+
+def client_tls_context(ca_file: str | None = None, *, verify: bool = True) -> ssl.SSLContext:
+    """The TLS context for ``https://`` workers: ``ca_file`` (PEM) replaces the system's
+    CAs when given; ``verify=False`` accepts any certificate (a test fleet only).
+
+    NOTE: verification is on by default; a worker with a private CA needs ``ca_file``
+    rather than ``verify=False``, which would let anyone on the path read prompts.
+    """
+    context = ssl.create_default_context(cafile=ca_file)
+    if not verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
