@@ -30,10 +30,12 @@ from router.errors import ApiError, error_middleware
 from router.fleet import Fleet, TokenizerRegistry
 from router.metrics import RouterMetrics
 from router.proxy import Proxy
+from router.request_context import add_request_id_header
 from router.scheduling.registry import create_policy
 from router.scheduling.scheduler import Scheduler
 from router.subscriptions import SubscriptionManager
 from router.upstream_http import UpstreamPool, client_tls_context
+from router.worker_credentials import WorkerCredentials
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,7 @@ def create_app(
         queue=queue,
         upstream_getter=lambda: app[UPSTREAM],
         resync=resync,
+        credentials=WorkerCredentials(config),
     )
     metrics.add_fleet_collector(
         fleet.views, lambda w: index.num_blocks_of(WorkerId(w)), proxy.hits.ratio
@@ -100,6 +103,7 @@ def create_app(
     app.cleanup_ctx.extend(
         [_client_session, _upstream_pool, _subscriptions, _discovery, _health_checker]
     )
+    app.on_response_prepare.append(add_request_id_header)
     _add_routes(app)
     return app
 
@@ -167,8 +171,16 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s)
     # NOTE: workers answer plain JSON/SSE; skipping decompression and the default
     # User-Agent/Accept-Encoding headers trims per-request work on the hot path.
+    credentials = app[PROXY].credentials
+    workers = app[FLEET].workers
+    middlewares = (
+        (credentials.client_middleware(lambda: (w.spec for w in workers.values())),)
+        if credentials
+        else ()
+    )
     async with aiohttp.ClientSession(
         connector=connector,
+        middlewares=middlewares,
         timeout=timeout,
         auto_decompress=False,
         skip_auto_headers=("User-Agent", "Accept-Encoding"),

@@ -37,12 +37,14 @@ from router.config import RouterConfig
 from router.errors import ApiError, bad_request, model_not_found
 from router.fleet import Fleet, TokenizerRegistry
 from router.metrics import RouterMetrics
+from router.request_context import RequestContext, forwardable, request_context
 from router.requests import ParsedRequest, RequestKind, first_prompt, parse_request
 from router.scheduling.scheduler import Scheduler
 from router.scheduling.types import Decision, RoutingRequest
 from router.tokenization import ModelTokenizer, TokenizationError
-from router.upstream import Attempt, RetryableError, forward
+from router.upstream import WORKER_HEADER, Attempt, RetryableError, first_byte_timeout_s, forward
 from router.upstream_http import UpstreamPool
+from router.worker_credentials import WorkerCredentials
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +76,14 @@ class Proxy:
     queue: AdmissionQueue
     upstream_getter: Callable[[], UpstreamPool]  # the app's pool of worker connections
     resync: Callable[[WorkerId, str], bool]
+    credentials: WorkerCredentials | None = None  # API keys for workers (None: none)
     hits: HitCounter = field(default_factory=HitCounter)
+    forward_headers: frozenset[str] = field(init=False)  # client headers for the worker
+
+    def __post_init__(self) -> None:
+        self.forward_headers = forwardable(
+            [self.config.session_header, *self.config.forward_headers]
+        )
 
     async def handle(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
         try:
@@ -84,6 +93,7 @@ class Proxy:
             raise
 
     async def _handle(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
+        context = request_context(request, self.forward_headers)
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
@@ -100,7 +110,9 @@ class Proxy:
             parsed.set_field("stream_options", options)
         payload = parsed.encode(raw)
         decision = await self.queue.admit(lambda: self._pick(routing, ()))
-        return await self._forward_with_retries(request, parsed, routing, payload, decision)
+        return await self._forward_with_retries(
+            request, parsed, routing, payload, decision, context
+        )
 
     # --- steps ------------------------------------------------------------------------
 
@@ -164,26 +176,30 @@ class Proxy:
         routing: RoutingRequest,
         payload: bytes,
         decision: Decision,
+        context: RequestContext,
     ) -> web.StreamResponse:
         excluded: list[WorkerId] = []
-        last_error = "no worker available"
+        reasons: list[str] = []
         for attempt_no in range(max(1, self.config.max_attempts)):
             if attempt_no > 0:
                 retry = self._pick(routing, tuple(excluded))
                 if retry is None:
                     break
                 decision = retry
-            attempt = self._attempt(decision, parsed, payload)
+            attempt = self._attempt(decision, parsed, payload, context)
             try:
                 if decision.worker_id not in self.fleet.workers:  # removed after the pick
                     raise RetryableError("connect", f"worker {decision.worker_id} left the fleet")
                 response = await forward(request, attempt, self.upstream_getter(), self.config)
             except RetryableError as exc:
-                last_error = str(exc)
+                reasons.append(exc.reason)
                 self.metrics.attempts_failed.labels(
                     worker=decision.worker_id, reason=exc.reason
                 ).inc()
-                log.info("attempt on %s failed before the first byte: %s", decision.worker_id, exc)
+                log.info(
+                    "request %s: attempt on %s failed before the first byte: %s",
+                    context.request_id, decision.worker_id, exc,
+                )  # fmt: skip
                 self._finish(attempt, ok=False)
                 excluded.append(decision.worker_id)
                 continue
@@ -191,15 +207,39 @@ class Proxy:
                 self._finish(attempt, ok=False)
                 raise
             self._finish(attempt, ok=attempt.ok)
+            log.debug(
+                "request %s: %s on %s", context.request_id, attempt.status, decision.worker_id
+            )
             return response
-        status = 504 if "timeout" in last_error else 502
-        raise ApiError(
-            status, f"No worker could serve the request: {last_error}", code="upstream_unavailable"
-        )
+        raise self._unavailable(reasons, excluded, context)
 
-    def _attempt(self, decision: Decision, parsed: ParsedRequest, payload: bytes) -> Attempt:
+    def _unavailable(
+        self, reasons: list[str], tried: list[WorkerId], context: RequestContext
+    ) -> ApiError:
+        """The answer once no worker could serve: what failed, never which worker.
+
+        NOTE: worker URLs and ids stay out of the body (they map the internal network);
+        with ``debug_headers`` on, ``x-kvroute-worker`` names the last worker tried.
+        """
+        status = 504 if reasons and reasons[-1].endswith("timeout") else 502
+        shown = ", ".join(reasons) or "no worker available"
+        message = f"No worker could serve the request ({len(reasons)} attempts: {shown})."
+        log.warning("request %s: %s", context.request_id, message)
+        headers = {WORKER_HEADER: str(tried[-1])} if self.config.debug_headers and tried else {}
+        code = "upstream_timeout" if status == 504 else "upstream_unavailable"
+        return ApiError(status, message, code=code, headers=headers)
+
+    def _attempt(
+        self, decision: Decision, parsed: ParsedRequest, payload: bytes, context: RequestContext
+    ) -> Attempt:
         worker = self.fleet.workers.get(decision.worker_id)
-        url = (worker.spec.url if worker else "") + _PATHS[parsed.kind]
+        spec = worker.spec if worker else None
+        url = (spec.url if spec else "") + _PATHS[parsed.kind]
+        authorization = self.credentials.authorization_line(spec) if self.credentials else b""
+        predicted_ttft_s = self.scheduler.rates.rates_of(decision.worker_id).predict_ttft(
+            decision.queued_prefill_tokens_at_pick + decision.inflight_prefill_tokens,
+            decision.num_running_at_pick,
+        )
         return Attempt(
             decision=decision,
             url=url,
@@ -207,6 +247,8 @@ class Proxy:
             stream=parsed.stream,
             strip_usage=parsed.stream and not parsed.client_wants_usage,
             on_first_token=self._on_first_token,
+            first_byte_timeout_s=first_byte_timeout_s(self.config, predicted_ttft_s),
+            headers=context.worker_header_lines(authorization),
         )
 
     def _on_first_token(self, attempt: Attempt) -> None:

@@ -1,15 +1,27 @@
 """One upstream attempt: send the request to a worker, relay its answer to the client.
 
-Timeouts cover every phase: ``connect_timeout_s`` (TCP connect), ``first_byte_timeout_s``
-(until the first SSE event of a stream), ``idle_timeout_s`` (between two events) and
-``total_timeout_s`` (the whole attempt). Failures are split by whether the client has
-seen a byte yet:
+Timeouts cover every phase: ``connect_timeout_s`` (TCP connect), the attempt's first-byte
+deadline (until the first SSE event of a stream, see ``first_byte_timeout_s``),
+``idle_timeout_s`` (between two events) and ``total_timeout_s`` (the whole attempt).
+Failures are split by whether the client has seen a byte yet:
 
-- before: connect errors (and connect timeouts), 5xx answers, and a worker that dies
-  before its first event raise ``RetryableError`` so the caller can try another worker;
-  a first-byte timeout is a 504 (not retried: a slow worker is usually a loaded one);
+- before: a worker fault raises ``RetryableError`` so the caller can try another worker;
 - after: the stream ends with an OpenAI error event (``data: {"error": ...}``), which the
   ``openai`` client raises as ``APIError``.
+
+NOTE: what counts as a worker fault (retried on another worker, at most
+``max_attempts`` workers in all): the worker could not be reached (connect error or
+timeout), broke the HTTP protocol or the connection before its answer (a status outside
+100-599 included), said it cannot serve now (502, 503, 504: a gateway, overload or
+shutdown answer), or, for a stream, missed its first-byte deadline. Any other answer is
+the engine's verdict on this request and is relayed as it is, not retried: a 400 for an
+invalid request, and a 500 or other 5xx too, since an engine that read the request and
+failed it would most likely fail it on every worker (each retry a full prefill). A
+worker whose engine died answers its health checks no more and leaves the routable set.
+
+A non-streaming answer is read whole before it is relayed, so it is capped:
+``max_upstream_body_bytes``; beyond, the client gets a 502 and the worker's connection
+is closed (the unread rest is never buffered).
 
 The client's response is prepared only when the first upstream event arrives, and the
 events are written as soon as they are read (those that arrived together in one write):
@@ -33,6 +45,7 @@ from router.config import RouterConfig
 from router.errors import ApiError, sse_error_event
 from router.scheduling.types import Decision
 from router.upstream_http import (
+    BodyTooLargeError,
     ConnectError,
     DisconnectedError,
     ProtocolError,
@@ -75,12 +88,33 @@ class _EventStreamResponse(web.StreamResponse):
     _send_headers_immediately = False
 
 
+_RETRIED_STATUSES = frozenset((502, 503, 504))
+
+
 class RetryableError(Exception):
-    """The attempt failed before the client saw a byte; another worker may serve it."""
+    """The attempt failed before the client saw a byte; another worker may serve it.
+
+    The message may name the worker (it is logged); answers to clients show ``reason``.
+    """
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
-        self.reason = reason  # metric label: connect, http_5xx, disconnect
+        # metric label: connect, http_5xx, disconnect, protocol, first_byte_timeout
+        self.reason = reason
+
+
+def first_byte_timeout_s(config: RouterConfig, predicted_ttft_s: float) -> float:
+    """A stream's first-byte deadline: ``first_byte_base_s`` plus ``first_byte_margin``
+    times the TTFT the scheduler predicts for the worker's queue (its prefill tokens
+    queued ahead and this request's), capped by ``first_byte_timeout_s``.
+
+    NOTE: a frozen worker is re-routed after about the base (5 s by default) when its
+    queue is short, while a long prefill that the worker's learned rates explain keeps
+    its margin; a worker slower than ``margin`` times its own rates loses the request
+    to another one, which is what a stalled worker looks like.
+    """
+    adaptive = config.first_byte_base_s + config.first_byte_margin * max(0.0, predicted_ttft_s)
+    return min(config.first_byte_timeout_s, adaptive)
 
 
 @dataclass(slots=True)
@@ -93,6 +127,8 @@ class Attempt:
     stream: bool
     strip_usage: bool  # the router added include_usage: drop the usage-only chunk
     on_first_token: Callable[[Attempt], None]
+    first_byte_timeout_s: float = 300.0  # a stream's deadline for its first event
+    headers: bytes = b""  # request context header lines for the worker
     started: float = field(default_factory=time.perf_counter)
     ttft_s: float | None = None
     e2e_s: float = 0.0
@@ -118,39 +154,63 @@ async def forward(
     """Run ``attempt``; raises ``RetryableError`` or ``ApiError`` before the first byte."""
     now = asyncio.get_running_loop().time()
     deadline = now + config.total_timeout_s
-    phase_timeout = config.first_byte_timeout_s if attempt.stream else config.total_timeout_s
+    first_deadline = min(deadline, now + attempt.first_byte_timeout_s)
+    head_deadline = first_deadline if attempt.stream else deadline
     try:
-        resp = await pool.post(attempt.url, attempt.payload, deadline=now + phase_timeout)
+        resp = await pool.post(
+            attempt.url, attempt.payload, deadline=head_deadline, headers=attempt.headers
+        )
     except ConnectError as exc:
         raise RetryableError("connect", f"cannot connect to {attempt.url}: {exc}") from None
     except TimeoutError:
-        raise ApiError(
-            504, "The worker did not answer in time (first byte timeout).", code="upstream_timeout"
-        ) from None
+        raise _no_first_byte(attempt, head_deadline < deadline) from None
+    except ProtocolError as exc:
+        raise RetryableError("protocol", f"{attempt.url}: {exc}") from None
     except _BROKEN_STREAM as exc:
         raise RetryableError("disconnect", f"{attempt.url}: {exc!r}") from None
     try:
-        if resp.status >= 500:
+        if resp.status == 401:  # vLLM's answer to a missing or wrong --api-key
+            message = "A worker refused the router's credentials: check its worker API key."
+            raise ApiError(502, message, code="upstream_unauthorized")
+        if resp.status in _RETRIED_STATUSES:
             raise RetryableError("http_5xx", f"{attempt.url} answered HTTP {resp.status}")
         if not attempt.stream or resp.status != 200:
-            return await _relay_whole(request, resp, attempt, deadline)
-        return await _relay_stream(request, resp, attempt, config, deadline)
+            return await _relay_whole(request, resp, attempt, config, deadline)
+        return await _relay_stream(request, resp, attempt, first_deadline, deadline, config)
     finally:
         resp.close()  # no-op when fully read; aborts the upstream request otherwise
 
 
+def _no_first_byte(attempt: Attempt, adaptive: bool) -> Exception:
+    """A stream past its first-byte deadline goes to another worker; a request past the
+    total timeout is a 504."""
+    if adaptive:
+        message = f"{attempt.url} sent nothing in {attempt.first_byte_timeout_s:.1f} s"
+        return RetryableError("first_byte_timeout", message)
+    return ApiError(504, "The worker did not answer in time.", code="upstream_timeout")
+
+
 async def _relay_whole(
-    request: web.Request, resp: UpstreamResponse, attempt: Attempt, deadline: float
+    request: web.Request,
+    resp: UpstreamResponse,
+    attempt: Attempt,
+    config: RouterConfig,
+    deadline: float,
 ) -> web.Response:
-    """A non-streaming answer (or an upstream 4xx): read it whole, pass it through.
+    """A non-streaming answer (or an upstream error): read it whole (at most
+    ``max_upstream_body_bytes``), pass it through.
 
     NOTE: the answer is sent here, before its usage is read and before the caller's
     accounting (metrics, release), so that bookkeeping is not part of the client's wait.
     """
+    limit = config.max_upstream_body_bytes
     try:
-        body = await resp.read_all(deadline)
+        body = await resp.read_all(deadline, max_bytes=limit)
     except TimeoutError:
         raise ApiError(504, "The worker did not finish in time.", code="upstream_timeout") from None
+    except BodyTooLargeError:
+        message = f"The worker's answer exceeded the router's limit of {limit} bytes."
+        raise ApiError(502, message, code="upstream_body_too_large") from None
     except _BROKEN_STREAM as exc:
         raise RetryableError("disconnect", f"{attempt.url}: {exc!r}") from None
     attempt.e2e_s = time.perf_counter() - attempt.started
@@ -177,17 +237,15 @@ async def _relay_stream(
     request: web.Request,
     resp: UpstreamResponse,
     attempt: Attempt,
-    config: RouterConfig,
+    first_deadline: float,
     deadline: float,
+    config: RouterConfig,
 ) -> web.StreamResponse:
     events = _EventReader(resp)
-    first_deadline = min(deadline, asyncio.get_running_loop().time() + config.first_byte_timeout_s)
     try:
         first = await events.next_batch(first_deadline)
     except TimeoutError:
-        raise ApiError(
-            504, "The worker sent no token in time (first byte timeout).", code="upstream_timeout"
-        ) from None
+        raise _no_first_byte(attempt, first_deadline < deadline) from None
     except _BROKEN_STREAM as exc:
         message = f"{attempt.url} broke before its first event: {exc!r}"
         raise RetryableError("disconnect", message) from None

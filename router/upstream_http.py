@@ -40,6 +40,7 @@ from urllib.parse import urlsplit
 from router.upstream_http_framing import ProtocolError, ResponseParser
 
 __all__ = [
+    "BodyTooLargeError",
     "ConnectError",
     "DisconnectedError",
     "ProtocolError",
@@ -58,6 +59,10 @@ class ConnectError(OSError):
 
 class DisconnectedError(ConnectionError):
     """The connection ended before the response did."""
+
+
+class BodyTooLargeError(Exception):
+    """A body read whole was longer than the caller's limit."""
 
 
 _Key = tuple[str, int, bool]  # (host, port, TLS)
@@ -252,9 +257,15 @@ class UpstreamResponse:
             self._pool.give_back(conn)
         return data
 
-    async def read_all(self, deadline: float) -> bytes:
+    async def read_all(self, deadline: float, *, max_bytes: int | None = None) -> bytes:
+        """The whole body; ``BodyTooLargeError`` once more than ``max_bytes`` arrived
+        (the caller then closes the response: the rest is never read)."""
         pieces = []
+        num_bytes = 0
         while data := await self.read(deadline):
+            num_bytes += len(data)
+            if max_bytes is not None and num_bytes > max_bytes:
+                raise BodyTooLargeError(f"body longer than {max_bytes} bytes")
             pieces.append(data)
         return b"".join(pieces)
 

@@ -31,7 +31,7 @@ BLOCK_SIZE = 32
 
 @dataclass
 class FakeBehaviour:
-    mode: str = "ok"  # ok | http_500 | die_mid_stream | slow_first | stall | hold
+    mode: str = "ok"  # ok | http_500 | http_503 | die_mid_stream | slow_first | stall | hold
     num_chunks: int = 3
     delay_s: float = 0.0  # slow_first: before the first chunk
     cached_tokens: int = 0
@@ -50,6 +50,7 @@ class FakeWorker:
     url: str = ""
     runner: web.AppRunner | None = None
     connections: set[int] = field(default_factory=set)  # distinct client connections seen
+    headers: list[dict[str, str]] = field(default_factory=list)  # request headers received
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -92,11 +93,12 @@ class FakeWorker:
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.headers.append(dict(request.headers))
         self.connections.add(id(request.transport))
         self.started.set()
         mode = self.behaviour.mode
-        if mode == "http_500":
-            return web.json_response({"error": {"message": "boom"}}, status=500)
+        if mode in ("http_500", "http_503"):
+            return web.json_response({"error": {"message": "boom"}}, status=int(mode[5:]))
         try:
             if mode == "hold":
                 await self.release.wait()
