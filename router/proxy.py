@@ -35,7 +35,7 @@ from kvindex.index import WorkerId
 from router.admission import AdmissionQueue
 from router.config import RouterConfig
 from router.errors import ApiError, bad_request, model_not_found
-from router.fleet import Fleet, TokenizerRegistry
+from router.fleet import Fleet, FleetWorker, TokenizerRegistry
 from router.metrics import RouterMetrics
 from router.request_context import RequestContext, forwardable, request_context
 from router.requests import ParsedRequest, RequestKind, first_prompt, parse_request
@@ -248,7 +248,15 @@ class Proxy:
             strip_usage=parsed.stream and not parsed.client_wants_usage,
             on_first_token=self._on_first_token,
             first_byte_timeout_s=first_byte_timeout_s(self.config, predicted_ttft_s),
+            worker_routable=lambda: self._still_routable(decision.worker_id, worker),
             headers=context.worker_header_lines(authorization),
+        )
+
+    def _still_routable(self, worker_id: WorkerId, worker: FleetWorker | None) -> bool:
+        return (
+            worker is not None
+            and worker.view.healthy
+            and self.fleet.workers.get(worker_id) is worker
         )
 
     def _on_first_token(self, attempt: Attempt) -> None:

@@ -13,7 +13,8 @@ NOTE: what counts as a worker fault (retried on another worker, at most
 ``max_attempts`` workers in all): the worker could not be reached (connect error or
 timeout), broke the HTTP protocol or the connection before its answer (a status outside
 100-599 included), said it cannot serve now (502, 503, 504: a gateway, overload or
-shutdown answer), or, for a stream, missed its first-byte deadline. Any other answer is
+shutdown answer), for a stream, missed its first-byte deadline, or, for a non-streaming
+request, was marked unhealthy while it held the request. Any other answer is
 the engine's verdict on this request and is relayed as it is, not retried: a 400 for an
 invalid request, and a 500 or other 5xx too, since an engine that read the request and
 failed it would most likely fail it on every worker (each retry a full prefill). A
@@ -89,6 +90,7 @@ class _EventStreamResponse(web.StreamResponse):
 
 
 _RETRIED_STATUSES = frozenset((502, 503, 504))
+_WATCH_INTERVAL_S = 0.5  # how often a held non-streaming request checks its worker
 
 
 class RetryableError(Exception):
@@ -128,6 +130,7 @@ class Attempt:
     strip_usage: bool  # the router added include_usage: drop the usage-only chunk
     on_first_token: Callable[[Attempt], None]
     first_byte_timeout_s: float = 300.0  # a stream's deadline for its first event
+    worker_routable: Callable[[], bool] = lambda: True  # the fleet still routes to it
     headers: bytes = b""  # request context header lines for the worker
     started: float = field(default_factory=time.perf_counter)
     ttft_s: float | None = None
@@ -157,9 +160,12 @@ async def forward(
     first_deadline = min(deadline, now + attempt.first_byte_timeout_s)
     head_deadline = first_deadline if attempt.stream else deadline
     try:
-        resp = await pool.post(
-            attempt.url, attempt.payload, deadline=head_deadline, headers=attempt.headers
-        )
+        if attempt.stream:
+            resp = await pool.post(
+                attempt.url, attempt.payload, deadline=head_deadline, headers=attempt.headers
+            )
+        else:
+            resp = await _post_watched(pool, attempt, head_deadline)
     except ConnectError as exc:
         raise RetryableError("connect", f"cannot connect to {attempt.url}: {exc}") from None
     except TimeoutError:
@@ -179,6 +185,31 @@ async def forward(
         return await _relay_stream(request, resp, attempt, first_deadline, deadline, config)
     finally:
         resp.close()  # no-op when fully read; aborts the upstream request otherwise
+
+
+async def _post_watched(pool: UpstreamPool, attempt: Attempt, deadline: float) -> UpstreamResponse:
+    """``pool.post`` that gives up once the fleet stops routing to the worker.
+
+    NOTE: a non-streaming answer arrives whole at its end, so no first-byte deadline can
+    tell a frozen worker from a long generation; the health checks can. A request held
+    by a worker that fails them goes to another worker (``worker_unhealthy``) instead of
+    waiting for ``total_timeout_s``. Cost: one task and one check per watch interval.
+    """
+    post = asyncio.ensure_future(
+        pool.post(attempt.url, attempt.payload, deadline=deadline, headers=attempt.headers)
+    )
+    try:
+        while True:
+            done, _ = await asyncio.wait((post,), timeout=_WATCH_INTERVAL_S)
+            if done:
+                return post.result()
+            if not attempt.worker_routable():
+                message = f"{attempt.url} was marked unhealthy while it held the request"
+                raise RetryableError("worker_unhealthy", message)
+    finally:
+        if not post.done():
+            post.cancel()  # closes the connection: the worker aborts the request
+            await asyncio.wait((post,))
 
 
 def _no_first_byte(attempt: Attempt, adaptive: bool) -> Exception:

@@ -38,6 +38,7 @@ class FakeBehaviour:
     lora: str | None = None  # a LoRA adapter this worker also serves
     agent_ready: bool = True  # what GET /v1/info says (the fake doubles as an agent)
     end_delay_s: float = 0.0  # between a stream's [DONE] and the end of its body
+    healthy: bool = True  # False: GET /health answers 503 (a frozen engine's look)
 
 
 @dataclass
@@ -54,7 +55,7 @@ class FakeWorker:
 
     def app(self) -> web.Application:
         app = web.Application()
-        app.router.add_get("/health", self._empty)
+        app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/kv_event_sources", self._empty)
@@ -73,6 +74,9 @@ class FakeWorker:
 
     async def _empty(self, request: web.Request) -> web.Response:
         return web.json_response({})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({}, status=200 if self.behaviour.healthy else 503)
 
     async def _agent_info(self, request: web.Request) -> web.Response:
         info: dict[str, Any] = {"models": [MODEL], "block_size": BLOCK_SIZE,

@@ -227,6 +227,36 @@ def test_a_frozen_worker_loses_its_stream_to_a_healthy_one_within_seconds() -> N
     run(main())
 
 
+def test_a_frozen_worker_loses_its_non_streaming_request_once_marked_unhealthy() -> None:
+    """A non-streaming answer comes whole at its end, so no first-byte deadline applies;
+    once health checks fail, the held request is aborted there and served elsewhere,
+    not after ``total_timeout_s``."""
+
+    async def main() -> None:
+        config_kwargs = {"health_interval_s": 0.2, "health_timeout_s": 0.5}
+        async with (
+            fake_workers(FakeBehaviour(mode="hold"), FakeBehaviour()) as (frozen, healthy),
+            running_router(router_config([frozen, healthy], **config_kwargs)) as (_, url),
+            aiohttp.ClientSession() as session,
+        ):
+            # round robin: one of the two lands on the frozen worker
+            tasks = [
+                asyncio.create_task(session.post(url + "/v1/completions", json=UNARY_BODY))
+                for _ in range(2)
+            ]
+            await asyncio.wait_for(frozen.started.wait(), 5)
+            frozen.behaviour.healthy = False
+            start = time.monotonic()
+            for task in tasks:
+                async with await task as resp:
+                    assert resp.status == 200, await resp.text()
+            assert time.monotonic() - start < 10.0
+            await asyncio.wait_for(frozen.cancelled.wait(), 5)  # aborted on the frozen one
+            assert (len(frozen.bodies), len(healthy.bodies)) == (1, 2)
+
+    run(main())
+
+
 def test_the_first_byte_deadline_grows_with_the_predicted_ttft_and_is_capped() -> None:
     config = router_config([], first_byte_base_s=2.0, first_byte_margin=3.0)
     assert upstream.first_byte_timeout_s(config, 0.1) == pytest.approx(2.3)
