@@ -53,6 +53,7 @@ from router.upstream_http import (
     UpstreamPool,
     UpstreamResponse,
 )
+from router.upstream_sse import EventReader
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 # Names the worker that served the request (load tests attribute load and hits with it).
@@ -62,10 +63,6 @@ _decoder = msgspec.json.Decoder()
 _DRAIN_TIMEOUT_S = 1.0
 _CLIENT_GONE = 499  # status recorded when the client closed the connection mid-stream
 _EVENT_END = b"\n\n"
-# NOTE: bounds the start of an event still waiting for its blank line (a worker that
-# never sends one). Not 1 MiB: vLLM's first event of an ``echo`` stream holds the whole
-# prompt (and its logprobs when asked), several MiB for a long prompt.
-_MAX_PENDING_BYTES = 16 * 1024 * 1024
 
 
 class _Answer(msgspec.Struct):
@@ -272,7 +269,7 @@ async def _relay_stream(
     deadline: float,
     config: RouterConfig,
 ) -> web.StreamResponse:
-    events = _EventReader(resp)
+    events = EventReader(resp)
     try:
         first = await events.next_batch(first_deadline)
     except TimeoutError:
@@ -304,7 +301,7 @@ async def _relay_stream(
 
 async def _pump(
     client: web.StreamResponse,
-    events: _EventReader,
+    events: EventReader,
     attempt: Attempt,
     config: RouterConfig,
     deadline: float,
@@ -353,53 +350,6 @@ async def _drain(resp: UpstreamResponse) -> None:
     with contextlib.suppress(TimeoutError, *_BROKEN_STREAM):
         while await resp.read(deadline):
             pass
-
-
-class _EventReader:
-    """Cuts the upstream body into whole SSE events (each through its blank line).
-
-    The start of an event whose end has not arrived waits in ``_pending`` (its reads,
-    joined once the end arrives: linear in the event's size). At most
-    ``_MAX_PENDING_BYTES`` wait; beyond, ``ProtocolError`` (a broken stream).
-    """
-
-    __slots__ = ("_num_pending", "_pending", "_resp")
-
-    def __init__(self, resp: UpstreamResponse) -> None:
-        self._resp = resp
-        self._pending: list[bytes] = []  # reads since the last event end, none empty
-        self._num_pending = 0  # bytes in ``_pending``
-
-    async def next_batch(self, deadline: float) -> bytes:
-        """The whole events that have arrived (at least one, with their blank lines);
-        b"" at the end of the body (a last unterminated event is returned first, ended)."""
-        while True:
-            data = await self._resp.read(deadline)
-            if not data:
-                tail = b"".join(self._pending)
-                self._pending, self._num_pending = [], 0
-                return tail + _EVENT_END if tail.strip() else b""
-            end = data.rfind(_EVENT_END) + len(_EVENT_END)
-            if end < len(_EVENT_END):  # none in ``data``; maybe one across the cut
-                ends_across = data[0] == 10 and self._pending and self._pending[-1][-1] == 10
-                end = 1 if ends_across else 0
-            if end == 0:
-                self._keep_pending(data)
-                continue
-            batch = data[:end] if end < len(data) else data
-            if self._pending:
-                batch = b"".join((*self._pending, batch))
-                self._pending, self._num_pending = [], 0
-            if end < len(data):
-                self._keep_pending(data[end:])
-            if batch.strip():
-                return batch
-
-    def _keep_pending(self, data: bytes) -> None:
-        self._pending.append(data)
-        self._num_pending += len(data)
-        if self._num_pending > _MAX_PENDING_BYTES:
-            raise ProtocolError(f"an SSE event longer than {_MAX_PENDING_BYTES} bytes")
 
 
 def _filter_batch(batch: bytes, attempt: Attempt) -> tuple[bytes, bool]:

@@ -385,3 +385,47 @@ def test_extra_header_lines_are_sent_before_the_length() -> None:
             assert server.heads[0].endswith(extra + b"Content-Length: 2\r\n\r\n")
 
     run(main())
+
+
+def test_an_unsolicited_second_response_makes_the_connection_unusable() -> None:
+    """A worker that sends a response nobody asked for (after the real one, in the same
+    write or later while the connection idles in the pool): that connection is dropped,
+    so the stray bytes can never be read as the answer to the next request."""
+
+    async def answer_twice(writer: asyncio.StreamWriter, number: int, body: bytes) -> str:
+        writer.write(OK + b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nstray")
+        return "keep"
+
+    async def main() -> None:
+        async with scripted_server(answer_twice) as server, pool() as upstream:
+            for _ in range(3):
+                resp = await upstream.post(server.url, b"{}", deadline=_deadline())
+                assert await resp.read_all(_deadline()) == b"{}"
+            assert upstream.num_connects == 3 and upstream.num_idle() == 0
+
+    run(main())
+
+
+def test_stray_bytes_on_an_idle_pooled_connection_close_it() -> None:
+    idle_write = asyncio.Event()
+
+    async def answer_then_stray(writer: asyncio.StreamWriter, number: int, body: bytes) -> str:
+        writer.write(OK)
+        await writer.drain()
+        await idle_write.wait()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nstray")
+        await writer.drain()
+        return "hang"
+
+    async def main() -> None:
+        async with scripted_server(answer_then_stray) as server, pool() as upstream:
+            resp = await upstream.post(server.url, b"{}", deadline=_deadline())
+            assert await resp.read_all(_deadline()) == b"{}"
+            assert upstream.num_idle() == 1
+            idle_write.set()
+            await asyncio.wait_for(server.closed_by_client.wait(), 5)
+            resp = await upstream.post(server.url, b"{}", deadline=_deadline(0.5))
+            assert upstream.num_connects == 2  # the stray connection was not reused
+            resp.close()
+
+    run(main())
