@@ -183,10 +183,15 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "max_attempts",
         "int",
-        "workers tried per request on connect errors / 5xx before the first byte",
+        "workers tried per request on worker faults before the first byte (connect or "
+        "protocol errors, 502/503/504, a missed first-byte deadline; not a 4xx or 500)",
     ),
     Option("connect_timeout_s", "float", "upstream connect timeout"),
-    Option("first_byte_timeout_s", "float", "upstream timeout until the first response chunk"),
+    Option(
+        "first_byte_timeout_s",
+        "float",
+        "cap on a stream's first-byte deadline (see first_byte_base_s)",
+    ),
     Option("idle_timeout_s", "float", "upstream timeout between two streamed chunks"),
     Option("total_timeout_s", "float", "upstream timeout for a whole request"),
     Option("health_interval_s", "float", "seconds between worker health checks"),

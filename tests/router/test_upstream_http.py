@@ -286,7 +286,7 @@ def test_pool_close_ends_busy_connections() -> None:
     run(main())
 
 
-def _self_signed_certificate(directory: Path) -> tuple[Path, Path]:
+def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
     """A fresh key and a self-signed certificate for 127.0.0.1 (PEM files)."""
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvroute test worker")])
@@ -333,7 +333,7 @@ async def tls_server(cert: Path, key: Path) -> AsyncIterator[ScriptedServer]:
 
 
 def test_https_worker_with_its_ca_configured_is_reached_and_reused(tmp_path: Path) -> None:
-    cert, key = _self_signed_certificate(tmp_path)
+    cert, key = self_signed_certificate(tmp_path)
 
     async def main() -> None:
         async with tls_server(cert, key) as server:
@@ -354,7 +354,7 @@ def test_https_worker_with_its_ca_configured_is_reached_and_reused(tmp_path: Pat
 def test_https_worker_with_an_unknown_certificate_is_refused_by_default(tmp_path: Path) -> None:
     """Verification is on by default: a self-signed certificate nobody configured is a
     connect error (retried elsewhere), and no request byte reaches that server."""
-    cert, key = _self_signed_certificate(tmp_path)
+    cert, key = self_signed_certificate(tmp_path)
 
     async def main() -> None:
         async with tls_server(cert, key) as server:
