@@ -207,6 +207,8 @@ async def _post_watched(pool: UpstreamPool, attempt: Attempt, deadline: float) -
         if not post.done():
             post.cancel()  # closes the connection: the worker aborts the request
             await asyncio.wait((post,))
+            if not post.cancelled() and post.exception() is None:
+                post.result().close()  # an answer that raced the cancel: its connection goes
 
 
 def _no_first_byte(attempt: Attempt, adaptive: bool) -> Exception:
