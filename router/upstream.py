@@ -46,6 +46,7 @@ from router.config import RouterConfig
 from router.errors import ApiError, sse_error_event
 from router.scheduling.types import Decision
 from router.upstream_http import (
+    AbandonedError,
     BodyTooLargeError,
     ConnectError,
     DisconnectedError,
@@ -87,7 +88,6 @@ class _EventStreamResponse(web.StreamResponse):
 
 
 _RETRIED_STATUSES = frozenset((502, 503, 504))
-_WATCH_INTERVAL_S = 0.5  # how often a held non-streaming request checks its worker
 
 
 class RetryableError(Exception):
@@ -156,17 +156,26 @@ async def forward(
     deadline = now + config.total_timeout_s
     first_deadline = min(deadline, now + attempt.first_byte_timeout_s)
     head_deadline = first_deadline if attempt.stream else deadline
+    # NOTE: a non-streaming answer arrives whole at its end, so no first-byte deadline can
+    # tell a frozen worker from a long generation; the health checks can. A request held
+    # by a worker that fails them goes to another worker instead of waiting for
+    # ``total_timeout_s``.
+    still_wanted = None if attempt.stream else attempt.worker_routable
     try:
-        if attempt.stream:
-            resp = await pool.post(
-                attempt.url, attempt.payload, deadline=head_deadline, headers=attempt.headers
-            )
-        else:
-            resp = await _post_watched(pool, attempt, head_deadline)
+        resp = await pool.post(
+            attempt.url,
+            attempt.payload,
+            deadline=head_deadline,
+            headers=attempt.headers,
+            still_wanted=still_wanted,
+        )
     except ConnectError as exc:
         raise RetryableError("connect", f"cannot connect to {attempt.url}: {exc}") from None
     except TimeoutError:
         raise _no_first_byte(attempt, head_deadline < deadline) from None
+    except AbandonedError:
+        message = f"{attempt.url} was marked unhealthy while it held the request"
+        raise RetryableError("worker_unhealthy", message) from None
     except ProtocolError as exc:
         raise RetryableError("protocol", f"{attempt.url}: {exc}") from None
     except _BROKEN_STREAM as exc:
@@ -182,33 +191,6 @@ async def forward(
         return await _relay_stream(request, resp, attempt, first_deadline, deadline, config)
     finally:
         resp.close()  # no-op when fully read; aborts the upstream request otherwise
-
-
-async def _post_watched(pool: UpstreamPool, attempt: Attempt, deadline: float) -> UpstreamResponse:
-    """``pool.post`` that gives up once the fleet stops routing to the worker.
-
-    NOTE: a non-streaming answer arrives whole at its end, so no first-byte deadline can
-    tell a frozen worker from a long generation; the health checks can. A request held
-    by a worker that fails them goes to another worker (``worker_unhealthy``) instead of
-    waiting for ``total_timeout_s``. Cost: one task and one check per watch interval.
-    """
-    post = asyncio.ensure_future(
-        pool.post(attempt.url, attempt.payload, deadline=deadline, headers=attempt.headers)
-    )
-    try:
-        while True:
-            done, _ = await asyncio.wait((post,), timeout=_WATCH_INTERVAL_S)
-            if done:
-                return post.result()
-            if not attempt.worker_routable():
-                message = f"{attempt.url} was marked unhealthy while it held the request"
-                raise RetryableError("worker_unhealthy", message)
-    finally:
-        if not post.done():
-            post.cancel()  # closes the connection: the worker aborts the request
-            await asyncio.wait((post,))
-            if not post.cancelled() and post.exception() is None:
-                post.result().close()  # an answer that raced the cancel: its connection goes
 
 
 def _no_first_byte(attempt: Attempt, adaptive: bool) -> Exception:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, cast
 from urllib.parse import urlsplit
@@ -40,6 +41,7 @@ from urllib.parse import urlsplit
 from router.upstream_http_framing import ProtocolError, ResponseParser
 
 __all__ = [
+    "AbandonedError",
     "BodyTooLargeError",
     "ConnectError",
     "DisconnectedError",
@@ -50,6 +52,7 @@ __all__ = [
 ]
 
 _HIGH_WATER_BYTES = 256 * 1024  # pause reading the socket above this many unread bytes
+_WANTED_CHECK_S = 0.5  # how often a head wait asks ``still_wanted``
 _MAX_IDLE_PER_WORKER = 256
 
 
@@ -63,6 +66,10 @@ class DisconnectedError(ConnectionError):
 
 class BodyTooLargeError(Exception):
     """A body read whole was longer than the caller's limit."""
+
+
+class AbandonedError(Exception):
+    """The caller stopped wanting the answer (``still_wanted`` said no) before its head."""
 
 
 _Key = tuple[str, int, bool]  # (host, port, TLS)
@@ -166,11 +173,23 @@ class _Connection(asyncio.Protocol):
     def reusable(self) -> bool:
         return not self.closed and self.parser.finished and self.parser.keep_alive
 
-    async def wait_head(self, deadline: float) -> None:
+    async def wait_head(self, deadline: float, still_wanted: Callable[[], bool] | None) -> None:
+        """Until the response head is there; with ``still_wanted``, asked every
+        ``_WANTED_CHECK_S`` (one timer per wait, as without it)."""
         while not self.parser.head_done:
             if self.error is not None:
                 raise self.error
-            await self._wait(deadline)
+            if still_wanted is None:
+                await self._wait(deadline)
+                continue
+            check_at = self.loop.time() + _WANTED_CHECK_S
+            try:
+                await self._wait(min(deadline, check_at))
+            except TimeoutError:
+                if deadline <= check_at:
+                    raise
+                if not still_wanted():
+                    raise AbandonedError("the answer is no longer wanted") from None
 
     async def read(self, deadline: float) -> bytes:
         """Body bytes that arrived since the last read; b"" once the body has ended."""
@@ -293,12 +312,20 @@ class UpstreamPool:
         self._closed = False
 
     async def post(
-        self, url: str, body: bytes, *, deadline: float, headers: bytes = b""
+        self,
+        url: str,
+        body: bytes,
+        *,
+        deadline: float,
+        headers: bytes = b"",
+        still_wanted: Callable[[], bool] | None = None,
     ) -> UpstreamResponse:
         """Send ``body`` to ``url``; returns once the response head has arrived.
 
         ``headers``: more request header lines, each ``Name: value\\r\\n``, already
-        checked by the caller (no CR or LF inside a value).
+        checked by the caller (no CR or LF inside a value). ``still_wanted``: asked
+        while the head is awaited; False ends the wait (``AbandonedError``) and closes the
+        connection, which aborts the request on the worker.
 
         Raises ``ConnectError`` (an unusable URL, connect failed, or
         ``connect_timeout_s`` passed), ``TimeoutError`` (no head by ``deadline``, a
@@ -313,12 +340,12 @@ class UpstreamPool:
         conn = self._take_idle(target.key)
         if conn is not None:
             try:
-                return await self._send(conn, data, deadline)
+                return await self._send(conn, data, deadline, still_wanted)
             except DisconnectedError:
                 if conn.parser.head_started:
                     raise
         conn = await self._connect(target, deadline)
-        return await self._send(conn, data, deadline)
+        return await self._send(conn, data, deadline, still_wanted)
 
     def give_back(self, conn: _Connection) -> None:
         self._busy.discard(conn)
@@ -357,10 +384,16 @@ class UpstreamPool:
                 return conn
         return None
 
-    async def _send(self, conn: _Connection, data: bytes, deadline: float) -> UpstreamResponse:
+    async def _send(
+        self,
+        conn: _Connection,
+        data: bytes,
+        deadline: float,
+        still_wanted: Callable[[], bool] | None,
+    ) -> UpstreamResponse:
         try:
             conn.send(data)
-            await conn.wait_head(deadline)
+            await conn.wait_head(deadline, still_wanted)
         except BaseException:
             self._busy.discard(conn)
             conn.close()

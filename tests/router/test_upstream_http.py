@@ -23,6 +23,7 @@ from cryptography.x509.oid import NameOID
 
 from router import upstream_http
 from router.upstream_http import (
+    AbandonedError,
     ConnectError,
     DisconnectedError,
     UpstreamPool,
@@ -427,5 +428,27 @@ def test_stray_bytes_on_an_idle_pooled_connection_close_it() -> None:
             resp = await upstream.post(server.url, b"{}", deadline=_deadline(0.5))
             assert upstream.num_connects == 2  # the stray connection was not reused
             resp.close()
+
+    run(main())
+
+
+def test_a_head_wait_ends_once_the_answer_is_no_longer_wanted() -> None:
+    async def never_answer(writer: asyncio.StreamWriter, number: int, body: bytes) -> str:
+        return "hang"
+
+    async def main() -> None:
+        wanted = [True]
+        async with scripted_server(never_answer) as server, pool() as upstream:
+            post = asyncio.create_task(
+                upstream.post(
+                    server.url, b"{}", deadline=_deadline(30.0), still_wanted=lambda: wanted[0]
+                )
+            )
+            await wait_until(lambda: len(server.bodies) == 1, timeout_s=5.0)
+            assert not post.done()
+            wanted[0] = False
+            with pytest.raises(AbandonedError):
+                await asyncio.wait_for(post, 5)
+            await asyncio.wait_for(server.closed_by_client.wait(), 5)  # the request aborted
 
     run(main())
