@@ -302,10 +302,11 @@ class Fleet:
         """Start router ``replica`` (a new port unless it replaces a stopped one) and wait
         until it is ready and counts every worker as routable."""
         port = free_port()
-        # NOTE: --block-size is only the router's fallback for workers that do not tell.
+        # NOTE: --block-size is only the router's fallback for workers that do not tell;
+        # --debug-headers names the serving worker in each answer, for the report.
         argv = kvroute_command(
             "router", "--host", HOST, "--port", str(port), "--policy", policy,
-            "--block-size", str(self.config.block_size),
+            "--block-size", str(self.config.block_size), "--debug-headers",
         )  # fmt: skip
         for endpoint in self.workers:
             argv += ["--worker", endpoint.router_spec]

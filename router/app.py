@@ -37,11 +37,13 @@ from router.http_server import RouterRunner
 from router.lifecycle import Lifecycle
 from router.metrics import RouterMetrics
 from router.proxy import Proxy
+from router.request_context import add_request_id_header
 from router.scheduling.registry import create_policy
 from router.scheduling.scheduler import Scheduler
 from router.subscriptions import SubscriptionManager
 from router.tracing import RequestTracer
-from router.upstream_http import UpstreamPool
+from router.upstream_http import UpstreamPool, client_tls_context
+from router.worker_credentials import WorkerCredentials
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +108,7 @@ def create_app(
         tracer=RequestTracer.from_config(config),
         request_log=config.request_log,
         auth=auth,
+        credentials=WorkerCredentials(config),
     )
     metrics.add_fleet_collector(
         fleet.views, lambda w: index.num_blocks_of(WorkerId(w)), proxy.hits.ratio
@@ -131,6 +134,7 @@ def create_app(
         ]
     )
     app.cleanup_ctx.extend([_cache_report, _tracer])
+    app.on_response_prepare.append(add_request_id_header)
     _add_routes(app)
     add_dashboard(app, metrics, fleet.views, lambda w: index.num_blocks_of(WorkerId(w)))
     app.router.add_routes(Admin(fleet, index, resync, queue.notify).routes())
@@ -209,12 +213,21 @@ async def _cache_report_json(request: web.Request) -> web.Response:
 
 async def _client_session(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300)
+    tls = client_tls_context(config.worker_ca_file, verify=config.worker_tls_verify)
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300, ssl=tls)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s)
     # NOTE: workers answer plain JSON/SSE; skipping decompression and the default
     # User-Agent/Accept-Encoding headers trims per-request work on the hot path.
+    credentials = app[PROXY].credentials
+    workers = app[FLEET].workers
+    middlewares = (
+        (credentials.client_middleware(lambda: (w.spec for w in workers.values())),)
+        if credentials
+        else ()
+    )
     async with aiohttp.ClientSession(
         connector=connector,
+        middlewares=middlewares,
         timeout=timeout,
         auto_decompress=False,
         skip_auto_headers=("User-Agent", "Accept-Encoding"),
@@ -226,7 +239,9 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
 async def _upstream_pool(app: web.Application) -> AsyncIterator[None]:
     """The proxied requests' connections (``router.upstream_http``); health checks and
     event subscriptions use the aiohttp session."""
-    pool = UpstreamPool(connect_timeout_s=app[CONFIG].connect_timeout_s)
+    config = app[CONFIG]
+    tls = client_tls_context(config.worker_ca_file, verify=config.worker_tls_verify)
+    pool = UpstreamPool(connect_timeout_s=config.connect_timeout_s, tls=tls)
     app[UPSTREAM] = pool
     try:
         yield

@@ -48,9 +48,7 @@ log = logging.getLogger(__name__)
 
 # The dashboard's page and static files hold no fleet data (a browser cannot send a
 # bearer header when it loads them); the page sends the admin token for its data.
-OPEN_PATHS = frozenset(
-    {"/health", "/ready", "/metrics", "/dashboard", "/dashboard/static/{name}"}
-)
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/dashboard", "/dashboard/static/{name}"})
 # NOTE: one list for every operator-only page; a new admin page is protected by
 # living under one of these prefixes.
 ADMIN_PATH_PREFIXES = ("/admin/", "/dashboard/data", "/v1/kvroute/")

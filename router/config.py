@@ -7,7 +7,8 @@ text and bounds. ``OPTIONS``, the flags, env vars, file keys and ``kvroute route
 (help, env var name, default) all derive from that declaration. A value that does not
 convert (``yes``/``no`` booleans included) or is out of bounds is an error naming the option.
 
-Worker specs (``--worker``) read ``URL[,agent=URL][,id=NAME][,max_concurrency=N]``.
+Worker specs (``--worker``) read
+``URL[,agent=URL][,id=NAME][,max_concurrency=N][,api_key_file=PATH]``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class WorkerSpec:
     max_concurrency: int | None = None
     # Metadata from discovery (e.g. model, gpu-kind from Kubernetes labels), sorted pairs.
     labels: tuple[tuple[str, str], ...] = ()
+    api_key_file: str | None = None  # this worker's API key, when not the router-wide one
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", self.url.rstrip("/"))
@@ -48,7 +50,7 @@ class WorkerSpec:
 
     @classmethod
     def parse(cls, text: str) -> WorkerSpec:
-        """``URL[,agent=URL][,id=NAME][,max_concurrency=N]``."""
+        """``URL[,agent=URL][,id=NAME][,max_concurrency=N][,api_key_file=PATH]``."""
         url, *extras = [part.strip() for part in text.split(",") if part.strip()]
         kwargs: dict[str, Any] = {}
         for extra in extras:
@@ -61,6 +63,8 @@ class WorkerSpec:
                 kwargs["worker_id"] = value
             elif key == "max_concurrency":
                 kwargs["max_concurrency"] = int(value)
+            elif key == "api_key_file":
+                kwargs["api_key_file"] = value
             else:
                 raise ValueError(f"unknown worker option {key!r} (in {text!r})")
         return cls(url=url, **kwargs)
@@ -68,7 +72,8 @@ class WorkerSpec:
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> WorkerSpec:
         """A file entry: ``{url, agent_url?, id?, max_concurrency?}``."""
-        unknown = set(data) - {"url", "agent_url", "agent", "id", "worker_id", "max_concurrency"}
+        known = {"url", "agent_url", "agent", "id", "worker_id", "max_concurrency", "api_key_file"}
+        unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown worker keys {sorted(unknown)} in {dict(data)}")
         cap = data.get("max_concurrency")
@@ -77,6 +82,7 @@ class WorkerSpec:
             agent_url=data.get("agent_url", data.get("agent")),
             worker_id=str(data.get("id", data.get("worker_id", ""))),
             max_concurrency=None if cap is None else int(cap),
+            api_key_file=data.get("api_key_file"),
         )
 
 
@@ -118,7 +124,7 @@ class RouterConfig:
     )
     workers: list[WorkerSpec] = option(
         factory=list,
-        help="a worker: URL[,agent=URL][,id=NAME][,max_concurrency=N]; "
+        help="a worker: URL[,agent=URL][,id=NAME][,max_concurrency=N][,api_key_file=PATH]; "
         "repeat the flag, or comma-free ';'-separated in env",
     )
     workers_file: str | None = option(
@@ -192,16 +198,61 @@ class RouterConfig:
         minimum=0,
     )
     max_attempts: int = option(
-        3, "workers tried per request on connect errors / 5xx before the first byte", minimum=1
+        3,
+        "workers tried per request on worker faults before the first byte (connect or "
+        "protocol errors, 502/503/504, a missed first-byte deadline; not a 4xx or 500)",
+        minimum=1,
     )
     connect_timeout_s: float = option(3.0, "upstream connect timeout", minimum=0.001)
     first_byte_timeout_s: float = option(
-        300.0, "upstream timeout until the first response chunk", minimum=0.001
+        300.0, "cap on a stream's first-byte deadline (see first_byte_base_s)", minimum=0.001
+    )
+    first_byte_base_s: float = option(
+        5.0,
+        "first-byte deadline of a stream: this plus first_byte_margin x the worker's "
+        "predicted TTFT for its queue, capped by first_byte_timeout_s; then another worker",
+        minimum=0.001,
+    )
+    first_byte_margin: float = option(
+        4.0, "factor on the predicted TTFT in that deadline", minimum=0
     )
     idle_timeout_s: float = option(
         120.0, "upstream timeout between two streamed chunks", minimum=0.001
     )
     total_timeout_s: float = option(1800.0, "upstream timeout for a whole request", minimum=0.001)
+    max_upstream_body_bytes: int = option(
+        64 * 1024 * 1024,
+        "largest non-streaming worker answer relayed (502 beyond, connection dropped)",
+        minimum=1,
+    )
+    worker_ca_file: str | None = option(
+        None, "PEM file of the CAs that sign https:// workers' certificates"
+    )
+    worker_tls_verify: bool = option(
+        True, "verify https:// workers' certificates (off: a test fleet only)"
+    )
+    worker_api_key: str | None = option(
+        None,
+        "API key sent to workers as 'Authorization: Bearer' (vLLM --api-key); "
+        "prefer the env var or --worker-api-key-file to a flag",
+        secret=True,
+    )
+    worker_api_key_file: str | None = option(
+        None,
+        "file holding the workers' API key (e.g. a mounted Secret); "
+        "a worker's own api_key_file= wins",
+    )
+    forward_headers: list[str] = option(
+        factory=list,
+        help="client request headers forwarded to workers besides x-request-id, "
+        "traceparent, tracestate and the session header (never Authorization); "
+        "comma-separated",
+    )
+    debug_headers: bool = option(
+        False,
+        "name the serving worker in an x-kvroute-worker response header (an internal id: "
+        "for load tests and debugging, off in production)",
+    )
     health_interval_s: float = option(2.0, "seconds between worker health checks", minimum=0.01)
     health_timeout_s: float = option(2.0, "timeout of one health check", minimum=0.001)
     unhealthy_after: int = option(
@@ -279,7 +330,7 @@ class Option:
     """One option as the command line, env and files see it (derived from a field)."""
 
     name: str  # RouterConfig field; flag --name-with-dashes; env KVROUTE_NAME
-    kind: str  # str | int | float | bool | json | workers | mapping
+    kind: str  # str | int | float | bool | json | workers | mapping | list
     help: str
     minimum: float | None = None
     choices: tuple[str, ...] | None = None
@@ -293,6 +344,7 @@ _KIND_OF_ANNOTATION = {
     "dict[str, Any]": "json",
     "list[WorkerSpec]": "workers",
     "dict[str, str]": "mapping",
+    "list[str]": "list",
 }
 
 
@@ -331,7 +383,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         if opt.name == "workers":
             flag = "--worker"
         default = getattr(defaults, opt.name)
-        shown = default if opt.kind not in ("workers", "mapping", "json") else None
+        shown = default if opt.kind not in ("workers", "mapping", "json", "list") else None
         text = f"{_help_of(opt)} [env {ENV_PREFIX}{opt.name.upper()}; default {shown}]"
         text = text.replace("%", "%%")
         if opt.kind in ("workers", "mapping"):
@@ -443,6 +495,12 @@ def _convert_kind(kind: str, value: Any) -> Any:
         if not isinstance(parsed, dict):
             raise ValueError("expected a JSON object")
         return parsed
+    if kind == "list":
+        items = value.split(",") if isinstance(value, str) else value
+        return [str(item).strip() for item in items if str(item).strip()]
+    if kind == "list":
+        items = value.split(",") if isinstance(value, str) else value
+        return [str(item).strip() for item in items if str(item).strip()]
     if kind == "workers":
         return parse_workers(value)
     if kind == "mapping":

@@ -31,6 +31,7 @@ upstream connection, and vLLM aborts the request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -42,11 +43,12 @@ from aiohttp import web
 from kvindex.index import WorkerId
 from router.admission import AdmissionQueue
 from router.cache_report import CacheReporter
-from router.config import RouterConfig
+from router.config import RouterConfig, WorkerSpec
 from router.errors import ApiError, bad_request, model_not_found, request_timeout
-from router.fleet import Fleet, TokenizerRegistry
+from router.fleet import Fleet, FleetWorker, TokenizerRegistry
 from router.limits import ModelLimits, check_limits, model_limits
 from router.metrics import RouterMetrics
+from router.request_context import RequestContext, forwardable, request_context
 from router.request_log import REQUEST_RECORD, RequestRecord, log_request
 from router.requests import ParsedRequest, RequestKind, first_prompt, parse_request
 from router.scheduling.scheduler import Scheduler
@@ -54,9 +56,10 @@ from router.scheduling.types import Decision, RoutingRequest
 from router.tenant_limits import TenantLease
 from router.tenants import Tenant
 from router.tokenization import ModelTokenizer, TokenizationError
-from router.tracing import RequestTracer
-from router.upstream import Attempt, RetryableError, forward
+from router.tracing import RequestTracer, inject_trace_context
+from router.upstream import WORKER_HEADER, Attempt, RetryableError, first_byte_timeout_s, forward
 from router.upstream_http import UpstreamPool
+from router.worker_credentials import WorkerCredentials
 
 if TYPE_CHECKING:
     from router.auth import Auth
@@ -105,12 +108,19 @@ class Proxy:
     queue: AdmissionQueue
     upstream_getter: Callable[[], UpstreamPool]  # the app's pool of worker connections
     resync: Callable[[WorkerId, str], bool]
+    credentials: WorkerCredentials | None = None  # API keys for workers (None: none)
     hits: HitCounter = field(default_factory=HitCounter)
     cache_report: CacheReporter = field(default_factory=lambda: CacheReporter(0.0))
     tracer: RequestTracer | None = None  # None: tracing off, no span is made
     request_log: bool = True  # one log line per request
     auth: Auth | None = None  # tenants: cache salt and limits
     model_to_limits: dict[str, ModelLimits] = field(default_factory=dict)  # memo
+    forward_headers: frozenset[str] = field(init=False)  # client headers for the worker
+
+    def __post_init__(self) -> None:
+        self.forward_headers = forwardable(
+            [self.config.session_header, *self.config.forward_headers]
+        )
 
     async def handle(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
         """Answer one client request; count it once (``requests_total``) with the status
@@ -135,6 +145,8 @@ class Proxy:
     async def _handle(
         self, request: web.Request, kind: RequestKind, outcome: _Outcome
     ) -> web.StreamResponse:
+        context = request_context(request, self.forward_headers)
+        request[REQUEST_RECORD].request_id = context.request_id
         raw = await self._read_body(request)
         parsed = parse_request(kind, raw, request.headers.get(self.config.session_header))
         record = request[REQUEST_RECORD]
@@ -165,7 +177,7 @@ class Proxy:
             if self.cache_report.enabled:
                 self._offer_to_cache_report(record.tenant, routing, decision)
             return await self._forward_with_retries(
-                request, parsed, routing, payload, decision, outcome
+                request, parsed, routing, payload, decision, outcome, context
             )
         finally:
             if lease is not None:
@@ -313,9 +325,10 @@ class Proxy:
         payload: bytes,
         decision: Decision,
         outcome: _Outcome,
+        context: RequestContext,
     ) -> web.StreamResponse:
         excluded: list[WorkerId] = []
-        last_error = "no worker available"
+        reasons: list[str] = []
         record = request[REQUEST_RECORD]
         for attempt_no in range(max(1, self.config.max_attempts)):
             if attempt_no > 0:
@@ -323,7 +336,7 @@ class Proxy:
                 if retry is None:
                     break
                 decision = retry
-            attempt = self._attempt(decision, parsed, payload)
+            attempt = self._attempt(decision, parsed, payload, context)
             record.attempts.append(attempt)
             trace = record.trace
             outcome.policy, outcome.worker = decision.policy, str(decision.worker_id)
@@ -335,15 +348,22 @@ class Proxy:
                 else:
                     trace.route(decision, time.time_ns(), attempt_no)
                     with trace.upstream(decision, attempt.url, attempt_no):
+                        worker = self.fleet.workers.get(decision.worker_id)
+                        attempt.headers = self._worker_headers(
+                            worker.spec if worker else None, context
+                        )
                         response = await forward(
                             request, attempt, self.upstream_getter(), self.config
                         )
             except RetryableError as exc:
-                last_error = str(exc)
+                reasons.append(exc.reason)
                 self.metrics.attempts_failed.labels(
                     worker=decision.worker_id, reason=exc.reason
                 ).inc()
-                log.info("attempt on %s failed before the first byte: %s", decision.worker_id, exc)
+                log.info(
+                    "request %s: attempt on %s failed before the first byte: %s",
+                    context.request_id, decision.worker_id, exc,
+                )  # fmt: skip
                 self._finish(attempt, ok=False)
                 excluded.append(decision.worker_id)
                 continue
@@ -355,15 +375,38 @@ class Proxy:
             if lease is not None:  # the completion's share of the tenant's budget
                 lease.charge_completion(attempt.completion_tokens)
             outcome.status = attempt.status if attempt.status is not None else 500
+            log.debug(
+                "request %s: %s on %s", context.request_id, attempt.status, decision.worker_id
+            )
             return response
-        status = 504 if "timeout" in last_error else 502
-        raise ApiError(
-            status, f"No worker could serve the request: {last_error}", code="upstream_unavailable"
-        )
+        raise self._unavailable(reasons, excluded, context)
 
-    def _attempt(self, decision: Decision, parsed: ParsedRequest, payload: bytes) -> Attempt:
+    def _unavailable(
+        self, reasons: list[str], tried: list[WorkerId], context: RequestContext
+    ) -> ApiError:
+        """The answer once no worker could serve: what failed, never which worker.
+
+        NOTE: worker URLs and ids stay out of the body (they map the internal network);
+        with ``debug_headers`` on, ``x-kvroute-worker`` names the last worker tried.
+        """
+        status = 504 if reasons and reasons[-1].endswith("timeout") else 502
+        shown = ", ".join(reasons) or "no worker available"
+        message = f"No worker could serve the request ({len(reasons)} attempts: {shown})."
+        log.warning("request %s: %s", context.request_id, message)
+        headers = {WORKER_HEADER: str(tried[-1])} if self.config.debug_headers and tried else {}
+        code = "upstream_timeout" if status == 504 else "upstream_unavailable"
+        return ApiError(status, message, code=code, headers=headers)
+
+    def _attempt(
+        self, decision: Decision, parsed: ParsedRequest, payload: bytes, context: RequestContext
+    ) -> Attempt:
         worker = self.fleet.workers.get(decision.worker_id)
-        url = (worker.spec.url if worker else "") + _PATHS[parsed.kind]
+        spec = worker.spec if worker else None
+        url = (spec.url if spec else "") + _PATHS[parsed.kind]
+        predicted_ttft_s = self.scheduler.rates.rates_of(decision.worker_id).predict_ttft(
+            decision.queued_prefill_tokens_at_pick + decision.inflight_prefill_tokens,
+            decision.num_running_at_pick,
+        )
         return Attempt(
             decision=decision,
             url=url,
@@ -371,6 +414,31 @@ class Proxy:
             stream=parsed.stream,
             strip_usage=parsed.stream and not parsed.client_wants_usage,
             on_first_token=self._on_first_token,
+            first_byte_timeout_s=first_byte_timeout_s(self.config, predicted_ttft_s),
+            worker_routable=lambda: self._still_routable(decision.worker_id, worker),
+            headers=self._worker_headers(spec, context),
+        )
+
+    def _worker_headers(self, spec: WorkerSpec | None, context: RequestContext) -> bytes:
+        """The worker's credentials line and the request context's lines. Inside an
+        attempt's ``upstream`` span (tracing on) the traceparent becomes that span's."""
+        authorization = self.credentials.authorization_line(spec) if self.credentials else b""
+        if self.tracer is not None:
+            carrier: dict[str, str] = {}
+            inject_trace_context(carrier)
+            if "traceparent" in carrier:
+                context = dataclasses.replace(
+                    context,
+                    traceparent=carrier["traceparent"],
+                    tracestate=carrier.get("tracestate"),
+                )
+        return context.worker_header_lines(authorization)
+
+    def _still_routable(self, worker_id: WorkerId, worker: FleetWorker | None) -> bool:
+        return (
+            worker is not None
+            and worker.view.healthy
+            and self.fleet.workers.get(worker_id) is worker
         )
 
     def _observe_end(self, record: RequestRecord, status: int | None) -> None:

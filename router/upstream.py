@@ -1,15 +1,28 @@
 """One upstream attempt: send the request to a worker, relay its answer to the client.
 
-Timeouts cover every phase: ``connect_timeout_s`` (TCP connect), ``first_byte_timeout_s``
-(until the first SSE event of a stream), ``idle_timeout_s`` (between two events) and
-``total_timeout_s`` (the whole attempt). Failures are split by whether the client has
-seen a byte yet:
+Timeouts cover every phase: ``connect_timeout_s`` (TCP connect), the attempt's first-byte
+deadline (until the first SSE event of a stream, see ``first_byte_timeout_s``),
+``idle_timeout_s`` (between two events) and ``total_timeout_s`` (the whole attempt).
+Failures are split by whether the client has seen a byte yet:
 
-- before: connect errors (and connect timeouts), 5xx answers, and a worker that dies
-  before its first event raise ``RetryableError`` so the caller can try another worker;
-  a first-byte timeout is a 504 (not retried: a slow worker is usually a loaded one);
+- before: a worker fault raises ``RetryableError`` so the caller can try another worker;
 - after: the stream ends with an OpenAI error event (``data: {"error": ...}``), which the
   ``openai`` client raises as ``APIError``.
+
+NOTE: what counts as a worker fault (retried on another worker, at most
+``max_attempts`` workers in all): the worker could not be reached (connect error or
+timeout), broke the HTTP protocol or the connection before its answer (a status outside
+100-599 included), said it cannot serve now (502, 503, 504: a gateway, overload or
+shutdown answer), for a stream, missed its first-byte deadline, or, for a non-streaming
+request, was marked unhealthy while it held the request. Any other answer is
+the engine's verdict on this request and is relayed as it is, not retried: a 400 for an
+invalid request, and a 500 or other 5xx too, since an engine that read the request and
+failed it would most likely fail it on every worker (each retry a full prefill). A
+worker whose engine died answers its health checks no more and leaves the routable set.
+
+A non-streaming answer is read whole before it is relayed, so it is capped:
+``max_upstream_body_bytes``; beyond, the client gets a 502 and the worker's connection
+is closed (the unread rest is never buffered).
 
 The client's response is prepared only when the first upstream event arrives, and the
 events are written as soon as they are read (those that arrived together in one write):
@@ -33,12 +46,15 @@ from router.config import RouterConfig
 from router.errors import ApiError, sse_error_event
 from router.scheduling.types import Decision
 from router.upstream_http import (
+    AbandonedError,
+    BodyTooLargeError,
     ConnectError,
     DisconnectedError,
     ProtocolError,
     UpstreamPool,
     UpstreamResponse,
 )
+from router.upstream_sse import EventReader
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 # Names the worker that served the request (load tests attribute load and hits with it).
@@ -48,10 +64,6 @@ _decoder = msgspec.json.Decoder()
 _DRAIN_TIMEOUT_S = 1.0
 _CLIENT_GONE = 499  # status recorded when the client closed the connection mid-stream
 _EVENT_END = b"\n\n"
-# NOTE: bounds the start of an event still waiting for its blank line (a worker that
-# never sends one). Not 1 MiB: vLLM's first event of an ``echo`` stream holds the whole
-# prompt (and its logprobs when asked), several MiB for a long prompt.
-_MAX_PENDING_BYTES = 16 * 1024 * 1024
 
 
 class _Answer(msgspec.Struct):
@@ -75,12 +87,33 @@ class _EventStreamResponse(web.StreamResponse):
     _send_headers_immediately = False
 
 
+_RETRIED_STATUSES = frozenset((502, 503, 504))
+
+
 class RetryableError(Exception):
-    """The attempt failed before the client saw a byte; another worker may serve it."""
+    """The attempt failed before the client saw a byte; another worker may serve it.
+
+    The message may name the worker (it is logged); answers to clients show ``reason``.
+    """
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
-        self.reason = reason  # metric label: connect, http_5xx, disconnect
+        # metric label: connect, http_5xx, disconnect, protocol, first_byte_timeout
+        self.reason = reason
+
+
+def first_byte_timeout_s(config: RouterConfig, predicted_ttft_s: float) -> float:
+    """A stream's first-byte deadline: ``first_byte_base_s`` plus ``first_byte_margin``
+    times the TTFT the scheduler predicts for the worker's queue (its prefill tokens
+    queued ahead and this request's), capped by ``first_byte_timeout_s``.
+
+    NOTE: a frozen worker is re-routed after about the base (5 s by default) when its
+    queue is short, while a long prefill that the worker's learned rates explain keeps
+    its margin; a worker slower than ``margin`` times its own rates loses the request
+    to another one, which is what a stalled worker looks like.
+    """
+    adaptive = config.first_byte_base_s + config.first_byte_margin * max(0.0, predicted_ttft_s)
+    return min(config.first_byte_timeout_s, adaptive)
 
 
 @dataclass(slots=True)
@@ -93,6 +126,9 @@ class Attempt:
     stream: bool
     strip_usage: bool  # the router added include_usage: drop the usage-only chunk
     on_first_token: Callable[[Attempt], None]
+    first_byte_timeout_s: float = 300.0  # a stream's deadline for its first event
+    worker_routable: Callable[[], bool] = lambda: True  # the fleet still routes to it
+    headers: bytes = b""  # request context header lines for the worker
     started: float = field(default_factory=time.perf_counter)
     ttft_s: float | None = None
     e2e_s: float = 0.0
@@ -118,46 +154,81 @@ async def forward(
     """Run ``attempt``; raises ``RetryableError`` or ``ApiError`` before the first byte."""
     now = asyncio.get_running_loop().time()
     deadline = now + config.total_timeout_s
-    phase_timeout = config.first_byte_timeout_s if attempt.stream else config.total_timeout_s
+    first_deadline = min(deadline, now + attempt.first_byte_timeout_s)
+    head_deadline = first_deadline if attempt.stream else deadline
+    # NOTE: a non-streaming answer arrives whole at its end, so no first-byte deadline can
+    # tell a frozen worker from a long generation; the health checks can. A request held
+    # by a worker that fails them goes to another worker instead of waiting for
+    # ``total_timeout_s``.
+    still_wanted = None if attempt.stream else attempt.worker_routable
     try:
-        resp = await pool.post(attempt.url, attempt.payload, deadline=now + phase_timeout)
+        resp = await pool.post(
+            attempt.url,
+            attempt.payload,
+            deadline=head_deadline,
+            headers=attempt.headers,
+            still_wanted=still_wanted,
+        )
     except ConnectError as exc:
         raise RetryableError("connect", f"cannot connect to {attempt.url}: {exc}") from None
     except TimeoutError:
-        raise ApiError(
-            504, "The worker did not answer in time (first byte timeout).", code="upstream_timeout"
-        ) from None
+        raise _no_first_byte(attempt, head_deadline < deadline) from None
+    except AbandonedError:
+        message = f"{attempt.url} was marked unhealthy while it held the request"
+        raise RetryableError("worker_unhealthy", message) from None
+    except ProtocolError as exc:
+        raise RetryableError("protocol", f"{attempt.url}: {exc}") from None
     except _BROKEN_STREAM as exc:
         raise RetryableError("disconnect", f"{attempt.url}: {exc!r}") from None
     try:
-        if resp.status >= 500:
+        if resp.status == 401:  # vLLM's answer to a missing or wrong --api-key
+            message = "A worker refused the router's credentials: check its worker API key."
+            raise ApiError(502, message, code="upstream_unauthorized")
+        if resp.status in _RETRIED_STATUSES:
             raise RetryableError("http_5xx", f"{attempt.url} answered HTTP {resp.status}")
         if not attempt.stream or resp.status != 200:
-            return await _relay_whole(request, resp, attempt, deadline)
-        return await _relay_stream(request, resp, attempt, config, deadline)
+            return await _relay_whole(request, resp, attempt, config, deadline)
+        return await _relay_stream(request, resp, attempt, first_deadline, deadline, config)
     finally:
         resp.close()  # no-op when fully read; aborts the upstream request otherwise
 
 
+def _no_first_byte(attempt: Attempt, adaptive: bool) -> Exception:
+    """A stream past its first-byte deadline goes to another worker; a request past the
+    total timeout is a 504."""
+    if adaptive:
+        message = f"{attempt.url} sent nothing in {attempt.first_byte_timeout_s:.1f} s"
+        return RetryableError("first_byte_timeout", message)
+    return ApiError(504, "The worker did not answer in time.", code="upstream_timeout")
+
+
 async def _relay_whole(
-    request: web.Request, resp: UpstreamResponse, attempt: Attempt, deadline: float
+    request: web.Request,
+    resp: UpstreamResponse,
+    attempt: Attempt,
+    config: RouterConfig,
+    deadline: float,
 ) -> web.Response:
-    """A non-streaming answer (or an upstream 4xx): read it whole, pass it through.
+    """A non-streaming answer (or an upstream error): read it whole (at most
+    ``max_upstream_body_bytes``), pass it through.
 
     NOTE: the answer is sent here, before its usage is read and before the caller's
     accounting (metrics, release), so that bookkeeping is not part of the client's wait.
     """
+    limit = config.max_upstream_body_bytes
     try:
-        body = await resp.read_all(deadline)
+        body = await resp.read_all(deadline, max_bytes=limit)
     except TimeoutError:
         raise ApiError(504, "The worker did not finish in time.", code="upstream_timeout") from None
+    except BodyTooLargeError:
+        message = f"The worker's answer exceeded the router's limit of {limit} bytes."
+        raise ApiError(502, message, code="upstream_body_too_large") from None
     except _BROKEN_STREAM as exc:
         raise RetryableError("disconnect", f"{attempt.url}: {exc!r}") from None
     attempt.e2e_s = time.perf_counter() - attempt.started
-    headers = {
-        "Content-Type": resp.content_type or "application/json",
-        WORKER_HEADER: str(attempt.decision.worker_id),
-    }
+    headers = {"Content-Type": resp.content_type or "application/json"}
+    if config.debug_headers:
+        headers[WORKER_HEADER] = str(attempt.decision.worker_id)
     client = web.Response(status=resp.status, body=body, headers=headers)
     attempt.status = resp.status
     try:
@@ -177,26 +248,25 @@ async def _relay_stream(
     request: web.Request,
     resp: UpstreamResponse,
     attempt: Attempt,
-    config: RouterConfig,
+    first_deadline: float,
     deadline: float,
+    config: RouterConfig,
 ) -> web.StreamResponse:
-    events = _EventReader(resp)
-    first_deadline = min(deadline, asyncio.get_running_loop().time() + config.first_byte_timeout_s)
+    events = EventReader(resp)
     try:
         first = await events.next_batch(first_deadline)
     except TimeoutError:
-        raise ApiError(
-            504, "The worker sent no token in time (first byte timeout).", code="upstream_timeout"
-        ) from None
+        raise _no_first_byte(attempt, first_deadline < deadline) from None
     except _BROKEN_STREAM as exc:
         message = f"{attempt.url} broke before its first event: {exc!r}"
         raise RetryableError("disconnect", message) from None
     if not first:
         raise RetryableError("disconnect", f"{attempt.url} ended its stream without an event")
     attempt.ttft_s = time.perf_counter() - attempt.started
-    client = _EventStreamResponse(
-        status=200, headers={**_SSE_HEADERS, WORKER_HEADER: str(attempt.decision.worker_id)}
-    )
+    headers = dict(_SSE_HEADERS)
+    if config.debug_headers:
+        headers[WORKER_HEADER] = str(attempt.decision.worker_id)
+    client = _EventStreamResponse(status=200, headers=headers)
     await client.prepare(request)
     attempt.status = 200
     error = await _pump(client, events, attempt, config, deadline, first)
@@ -215,7 +285,7 @@ async def _relay_stream(
 
 async def _pump(
     client: web.StreamResponse,
-    events: _EventReader,
+    events: EventReader,
     attempt: Attempt,
     config: RouterConfig,
     deadline: float,
@@ -264,53 +334,6 @@ async def _drain(resp: UpstreamResponse) -> None:
     with contextlib.suppress(TimeoutError, *_BROKEN_STREAM):
         while await resp.read(deadline):
             pass
-
-
-class _EventReader:
-    """Cuts the upstream body into whole SSE events (each through its blank line).
-
-    The start of an event whose end has not arrived waits in ``_pending`` (its reads,
-    joined once the end arrives: linear in the event's size). At most
-    ``_MAX_PENDING_BYTES`` wait; beyond, ``ProtocolError`` (a broken stream).
-    """
-
-    __slots__ = ("_num_pending", "_pending", "_resp")
-
-    def __init__(self, resp: UpstreamResponse) -> None:
-        self._resp = resp
-        self._pending: list[bytes] = []  # reads since the last event end, none empty
-        self._num_pending = 0  # bytes in ``_pending``
-
-    async def next_batch(self, deadline: float) -> bytes:
-        """The whole events that have arrived (at least one, with their blank lines);
-        b"" at the end of the body (a last unterminated event is returned first, ended)."""
-        while True:
-            data = await self._resp.read(deadline)
-            if not data:
-                tail = b"".join(self._pending)
-                self._pending, self._num_pending = [], 0
-                return tail + _EVENT_END if tail.strip() else b""
-            end = data.rfind(_EVENT_END) + len(_EVENT_END)
-            if end < len(_EVENT_END):  # none in ``data``; maybe one across the cut
-                ends_across = data[0] == 10 and self._pending and self._pending[-1][-1] == 10
-                end = 1 if ends_across else 0
-            if end == 0:
-                self._keep_pending(data)
-                continue
-            batch = data[:end] if end < len(data) else data
-            if self._pending:
-                batch = b"".join((*self._pending, batch))
-                self._pending, self._num_pending = [], 0
-            if end < len(data):
-                self._keep_pending(data[end:])
-            if batch.strip():
-                return batch
-
-    def _keep_pending(self, data: bytes) -> None:
-        self._pending.append(data)
-        self._num_pending += len(data)
-        if self._num_pending > _MAX_PENDING_BYTES:
-            raise ProtocolError(f"an SSE event longer than {_MAX_PENDING_BYTES} bytes")
 
 
 def _filter_batch(batch: bytes, attempt: Attempt) -> tuple[bytes, bool]:

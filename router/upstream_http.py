@@ -1,15 +1,17 @@
 """A lean HTTP/1.1 client for the router -> worker hop (raw asyncio protocols).
 
-It does only what the hop needs: ``POST`` a JSON body to a worker, read the status line
-and the two headers the router uses (``Content-Type``, and the framing ones), then the
-body as it arrives, framed by ``Content-Length``, ``chunked`` or the end of the
-connection. Connections are kept alive in a per-worker pool.
+It does only what the hop needs: ``POST`` a JSON body to a worker (``http://`` or
+``https://``), with the request's context headers, read the status and ``Content-Type``,
+then the body as it arrives. llhttp (``httptools``, in ``router.upstream_http_framing``)
+parses the response; this module owns the sockets, the pool and the waiting.
+Connections are kept alive in a per-worker pool.
 
 NOTE: why not ``aiohttp.ClientSession``: profiled with a CPU clock, the upstream hop
 and SSE relay through it were ~60% of the router's request-handler CPU (request and
 response objects, header multidicts, cookie jar, tracing hooks, a stream reader with
 its own buffering, an ``asyncio.timeout`` per read). Health checks and event
-subscriptions still use the aiohttp session; only the hot path uses this client.
+subscriptions still use the aiohttp session; only the hot path uses this client. The
+HTTP parsing itself is llhttp's, the parser under aiohttp and uvicorn.
 
 Invariants:
 
@@ -31,21 +33,26 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, cast
 from urllib.parse import urlsplit
 
-from router.upstream_http_parser import ProtocolError, ResponseParser
+from router.upstream_http_framing import ProtocolError, ResponseParser
 
 __all__ = [
+    "AbandonedError",
+    "BodyTooLargeError",
     "ConnectError",
     "DisconnectedError",
     "ProtocolError",
     "UpstreamPool",
     "UpstreamResponse",
+    "client_tls_context",
 ]
 
 _HIGH_WATER_BYTES = 256 * 1024  # pause reading the socket above this many unread bytes
+_WANTED_CHECK_S = 0.5  # how often a head wait asks ``still_wanted``
 _MAX_IDLE_PER_WORKER = 256
 
 
@@ -57,18 +64,26 @@ class DisconnectedError(ConnectionError):
     """The connection ended before the response did."""
 
 
+class BodyTooLargeError(Exception):
+    """A body read whole was longer than the caller's limit."""
+
+
+class AbandonedError(Exception):
+    """The caller stopped wanting the answer (``still_wanted`` said no) before its head."""
+
+
 _Key = tuple[str, int, bool]  # (host, port, TLS)
 
 
 @dataclass(frozen=True, slots=True)
 class _Target:
-    """Where one URL points, parsed once; ``head`` is the request head up to the length."""
+    """Where one URL points, parsed once; ``head`` is the request head's fixed start."""
 
     key: _Key
     host: str
     port: int
     use_tls: bool
-    head: bytes  # b"POST <path> HTTP/1.1\r\nHost: ...\r\n...Content-Length: "
+    head: bytes  # b"POST <path> HTTP/1.1\r\nHost: ...\r\nContent-Type: ...\r\n"
 
 
 def _parse_target(url: str) -> _Target:
@@ -91,7 +106,7 @@ def _parse_target(url: str) -> _Target:
         path += "?" + parts.query
     head = (
         f"POST {path} HTTP/1.1\r\nHost: {parts.netloc.rpartition('@')[2]}\r\n"
-        "Content-Type: application/json\r\nContent-Length: "
+        "Content-Type: application/json\r\n"
     ).encode("latin-1")
     return _Target((parts.hostname, port, use_tls), parts.hostname, port, use_tls, head)
 
@@ -158,11 +173,23 @@ class _Connection(asyncio.Protocol):
     def reusable(self) -> bool:
         return not self.closed and self.parser.finished and self.parser.keep_alive
 
-    async def wait_head(self, deadline: float) -> None:
+    async def wait_head(self, deadline: float, still_wanted: Callable[[], bool] | None) -> None:
+        """Until the response head is there; with ``still_wanted``, asked every
+        ``_WANTED_CHECK_S`` (one timer per wait, as without it)."""
         while not self.parser.head_done:
             if self.error is not None:
                 raise self.error
-            await self._wait(deadline)
+            if still_wanted is None:
+                await self._wait(deadline)
+                continue
+            check_at = self.loop.time() + _WANTED_CHECK_S
+            try:
+                await self._wait(min(deadline, check_at))
+            except TimeoutError:
+                if deadline <= check_at:
+                    raise
+                if not still_wanted():
+                    raise AbandonedError("the answer is no longer wanted") from None
 
     async def read(self, deadline: float) -> bytes:
         """Body bytes that arrived since the last read; b"" once the body has ended."""
@@ -249,9 +276,15 @@ class UpstreamResponse:
             self._pool.give_back(conn)
         return data
 
-    async def read_all(self, deadline: float) -> bytes:
+    async def read_all(self, deadline: float, *, max_bytes: int | None = None) -> bytes:
+        """The whole body; ``BodyTooLargeError`` once more than ``max_bytes`` arrived
+        (the caller then closes the response: the rest is never read)."""
         pieces = []
+        num_bytes = 0
         while data := await self.read(deadline):
+            num_bytes += len(data)
+            if max_bytes is not None and num_bytes > max_bytes:
+                raise BodyTooLargeError(f"body longer than {max_bytes} bytes")
             pieces.append(data)
         return b"".join(pieces)
 
@@ -267,17 +300,32 @@ class UpstreamResponse:
 class UpstreamPool:
     """Keep-alive HTTP/1.1 connections to workers, and ``post`` over them."""
 
-    def __init__(self, *, connect_timeout_s: float) -> None:
+    def __init__(self, *, connect_timeout_s: float, tls: ssl.SSLContext | None = None) -> None:
+        """``tls``: the context for ``https://`` workers (default: the system's CAs,
+        certificates verified)."""
         self.connect_timeout_s = connect_timeout_s
         self.num_connects = 0  # connections opened since start
         self._key_to_idle: dict[_Key, list[_Connection]] = {}
         self._busy: set[_Connection] = set()
         self._url_to_target: dict[str, _Target] = {}
-        self._tls: ssl.SSLContext | None = None
+        self._tls = tls
         self._closed = False
 
-    async def post(self, url: str, body: bytes, *, deadline: float) -> UpstreamResponse:
+    async def post(
+        self,
+        url: str,
+        body: bytes,
+        *,
+        deadline: float,
+        headers: bytes = b"",
+        still_wanted: Callable[[], bool] | None = None,
+    ) -> UpstreamResponse:
         """Send ``body`` to ``url``; returns once the response head has arrived.
+
+        ``headers``: more request header lines, each ``Name: value\\r\\n``, already
+        checked by the caller (no CR or LF inside a value). ``still_wanted``: asked
+        while the head is awaited; False ends the wait (``AbandonedError``) and closes the
+        connection, which aborts the request on the worker.
 
         Raises ``ConnectError`` (an unusable URL, connect failed, or
         ``connect_timeout_s`` passed), ``TimeoutError`` (no head by ``deadline``, a
@@ -288,16 +336,16 @@ class UpstreamPool:
         target = self._url_to_target.get(url)
         if target is None:
             target = self._url_to_target[url] = _parse_target(url)
-        data = target.head + b"%d\r\n\r\n" % len(body) + body
+        data = b"%sContent-Length: %d\r\n\r\n%s" % (target.head + headers, len(body), body)
         conn = self._take_idle(target.key)
         if conn is not None:
             try:
-                return await self._send(conn, data, deadline)
+                return await self._send(conn, data, deadline, still_wanted)
             except DisconnectedError:
                 if conn.parser.head_started:
                     raise
         conn = await self._connect(target, deadline)
-        return await self._send(conn, data, deadline)
+        return await self._send(conn, data, deadline, still_wanted)
 
     def give_back(self, conn: _Connection) -> None:
         self._busy.discard(conn)
@@ -336,10 +384,16 @@ class UpstreamPool:
                 return conn
         return None
 
-    async def _send(self, conn: _Connection, data: bytes, deadline: float) -> UpstreamResponse:
+    async def _send(
+        self,
+        conn: _Connection,
+        data: bytes,
+        deadline: float,
+        still_wanted: Callable[[], bool] | None,
+    ) -> UpstreamResponse:
         try:
             conn.send(data)
-            await conn.wait_head(deadline)
+            await conn.wait_head(deadline, still_wanted)
         except BaseException:
             self._busy.discard(conn)
             conn.close()
@@ -374,5 +428,19 @@ class UpstreamPool:
 
     def _tls_context(self) -> ssl.SSLContext:
         if self._tls is None:
-            self._tls = ssl.create_default_context()
+            self._tls = client_tls_context()
         return self._tls
+
+
+def client_tls_context(ca_file: str | None = None, *, verify: bool = True) -> ssl.SSLContext:
+    """The TLS context for ``https://`` workers: ``ca_file`` (PEM) replaces the system's
+    CAs when given; ``verify=False`` accepts any certificate (a test fleet only).
+
+    NOTE: verification is on by default; a worker with a private CA needs ``ca_file``
+    rather than ``verify=False``, which would let anyone on the path read prompts.
+    """
+    context = ssl.create_default_context(cafile=ca_file)
+    if not verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context

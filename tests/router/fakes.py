@@ -31,7 +31,7 @@ BLOCK_SIZE = 32
 
 @dataclass
 class FakeBehaviour:
-    mode: str = "ok"  # ok | http_500 | die_mid_stream | slow_first | stall | hold
+    mode: str = "ok"  # ok | http_500 | http_503 | die_mid_stream | slow_first | stall | hold
     num_chunks: int = 3
     delay_s: float = 0.0  # slow_first: before the first chunk
     cached_tokens: int = 0
@@ -40,6 +40,7 @@ class FakeBehaviour:
     end_delay_s: float = 0.0  # between a stream's [DONE] and the end of its body
     model: str = MODEL  # the base model this worker serves
     max_model_len: int | None = None  # reported in /v1/models when set
+    healthy: bool = True  # False: GET /health answers 503 (a frozen engine's look)
 
 
 @dataclass
@@ -52,10 +53,11 @@ class FakeWorker:
     url: str = ""
     runner: web.AppRunner | None = None
     connections: set[int] = field(default_factory=set)  # distinct client connections seen
+    headers: list[dict[str, str]] = field(default_factory=list)  # request headers received
 
     def app(self) -> web.Application:
         app = web.Application()
-        app.router.add_get("/health", self._empty)
+        app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/kv_event_sources", self._empty)
@@ -74,6 +76,9 @@ class FakeWorker:
 
     async def _empty(self, request: web.Request) -> web.Response:
         return web.json_response({})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({}, status=200 if self.behaviour.healthy else 503)
 
     async def _agent_info(self, request: web.Request) -> web.Response:
         info: dict[str, Any] = {"models": [self.behaviour.model], "block_size": BLOCK_SIZE,
@@ -98,11 +103,12 @@ class FakeWorker:
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.headers.append(dict(request.headers))
         self.connections.add(id(request.transport))
         self.started.set()
         mode = self.behaviour.mode
-        if mode == "http_500":
-            return web.json_response({"error": {"message": "boom"}}, status=500)
+        if mode in ("http_500", "http_503"):
+            return web.json_response({"error": {"message": "boom"}}, status=int(mode[5:]))
         try:
             if mode == "hold":
                 await self.release.wait()

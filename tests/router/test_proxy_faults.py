@@ -119,10 +119,10 @@ def test_worker_removed_after_the_pick_retries_on_another_worker(
     run(main())
 
 
-def test_5xx_before_first_byte_retries_on_another_worker() -> None:
+def test_503_before_first_byte_retries_on_another_worker() -> None:
     async def main() -> None:
         async with (
-            fake_workers(FakeBehaviour(mode="http_500"), FakeBehaviour()) as (bad, good),
+            fake_workers(FakeBehaviour(mode="http_503"), FakeBehaviour()) as (bad, good),
             running_router(router_config([bad, good])) as (_, url),
             aiohttp.ClientSession() as session,
         ):
@@ -136,18 +136,51 @@ def test_5xx_before_first_byte_retries_on_another_worker() -> None:
     run(main())
 
 
-def test_every_worker_failing_gives_502_in_openai_error_format() -> None:
+def test_an_engine_500_is_relayed_once_not_retried_on_every_worker() -> None:
+    """A 500 with the engine's error body is its verdict on this request: the client
+    gets it, and no other worker pays a prefill for it."""
+
     async def main() -> None:
         async with (
             fake_workers(FakeBehaviour(mode="http_500"), FakeBehaviour(mode="http_500")) as ws,
-            running_router(router_config(ws, max_attempts=2)) as (_, url),
+            running_router(router_config(ws)) as (_, url),
+            aiohttp.ClientSession() as session,
+        ):
+            for body in (STREAM_BODY, UNARY_BODY):
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 500
+                    assert (await resp.json())["error"]["message"] == "boom"
+            assert sum(len(w.bodies) for w in ws) == 2  # one worker per request
+
+    run(main())
+
+
+@pytest.mark.parametrize("debug_headers", [False, True])
+def test_every_worker_failing_gives_502_in_openai_error_format(debug_headers: bool) -> None:
+    """The final 502 says what failed, never which worker (URL or id), unless debug
+    headers are on: then a header names the last worker tried."""
+
+    async def main() -> None:
+        async with (
+            fake_workers(FakeBehaviour(mode="http_503"), FakeBehaviour(mode="http_503")) as ws,
+            running_router(router_config(ws, max_attempts=2, debug_headers=debug_headers)) as (
+                _,
+                url,
+            ),
             aiohttp.ClientSession() as session,
         ):
             async with session.post(url + "/v1/completions", json=UNARY_BODY) as resp:
                 assert resp.status == 502
+                text = await resp.text()
                 error = (await resp.json())["error"]
+                named = resp.headers.get("x-kvroute-worker")
             assert set(error) == {"message", "type", "param", "code"}
+            assert error["code"] == "upstream_unavailable"
+            assert "http_5xx" in error["message"]
+            assert "127.0.0.1" not in text
+            assert all(w.url not in text for w in ws)
             assert sum(len(w.bodies) for w in ws) == 2  # bounded: one try per worker
+            assert (named in {w.url for w in ws}) if debug_headers else named is None
 
     run(main())
 
@@ -168,6 +201,67 @@ def test_worker_dying_mid_stream_ends_the_stream_with_an_error_event() -> None:
             assert len(worker.bodies) == 1  # never retried after the first byte
 
     run(main())
+
+
+def test_a_frozen_worker_loses_its_stream_to_a_healthy_one_within_seconds() -> None:
+    """Default config: a worker that accepts and never answers holds a stream only for
+    the adaptive first-byte deadline (about ``first_byte_base_s``), then the request is
+    served by another worker, not after the 300 s ``first_byte_timeout_s``."""
+
+    async def main() -> None:
+        async with (
+            fake_workers(FakeBehaviour(mode="hold"), FakeBehaviour()) as (frozen, healthy),
+            running_router(router_config([frozen, healthy])) as (_, url),
+            aiohttp.ClientSession() as session,
+        ):
+            for _ in range(2):  # round robin: one of the two picks the frozen worker
+                start = time.monotonic()
+                async with session.post(url + "/v1/completions", json=STREAM_BODY) as resp:
+                    assert resp.status == 200
+                    events = await _sse_events(resp)
+                assert events[-1] == "[DONE]"
+                assert time.monotonic() - start < 10.0
+            assert len(frozen.bodies) >= 1
+            assert len(healthy.bodies) == 2
+
+    run(main())
+
+
+def test_a_frozen_worker_loses_its_non_streaming_request_once_marked_unhealthy() -> None:
+    """A non-streaming answer comes whole at its end, so no first-byte deadline applies;
+    once health checks fail, the held request is aborted there and served elsewhere,
+    not after ``total_timeout_s``."""
+
+    async def main() -> None:
+        config_kwargs = {"health_interval_s": 0.2, "health_timeout_s": 0.5}
+        async with (
+            fake_workers(FakeBehaviour(mode="hold"), FakeBehaviour()) as (frozen, healthy),
+            running_router(router_config([frozen, healthy], **config_kwargs)) as (_, url),
+            aiohttp.ClientSession() as session,
+        ):
+            # round robin: one of the two lands on the frozen worker
+            tasks = [
+                asyncio.create_task(session.post(url + "/v1/completions", json=UNARY_BODY))
+                for _ in range(2)
+            ]
+            await asyncio.wait_for(frozen.started.wait(), 5)
+            frozen.behaviour.healthy = False
+            start = time.monotonic()
+            for task in tasks:
+                async with await task as resp:
+                    assert resp.status == 200, await resp.text()
+            assert time.monotonic() - start < 10.0
+            await asyncio.wait_for(frozen.cancelled.wait(), 5)  # aborted on the frozen one
+            assert (len(frozen.bodies), len(healthy.bodies)) == (1, 2)
+
+    run(main())
+
+
+def test_the_first_byte_deadline_grows_with_the_predicted_ttft_and_is_capped() -> None:
+    config = router_config([], first_byte_base_s=2.0, first_byte_margin=3.0)
+    assert upstream.first_byte_timeout_s(config, 0.1) == pytest.approx(2.3)
+    assert upstream.first_byte_timeout_s(config, 60.0) == pytest.approx(182.0)
+    assert upstream.first_byte_timeout_s(config, 1e6) == config.first_byte_timeout_s
 
 
 def test_first_byte_timeout_gives_504() -> None:
@@ -306,7 +400,7 @@ def test_failed_attempt_releases_its_load_before_the_retry() -> None:
 
     async def main() -> None:
         async with (
-            fake_workers(FakeBehaviour(mode="http_500"), FakeBehaviour(mode="hold")) as ws,
+            fake_workers(FakeBehaviour(mode="http_503"), FakeBehaviour(mode="hold")) as ws,
             running_router(router_config(ws)) as (app, url),
             aiohttp.ClientSession() as session,
         ):

@@ -224,7 +224,8 @@ def test_a_retried_request_has_a_route_and_upstream_span_per_attempt() -> None:
         return [s for s in exporter.get_finished_spans() if s.name == "kvroute.request"]
 
     async def main() -> None:
-        async with fake_workers(FakeBehaviour(mode="http_500"), FakeBehaviour()) as workers:
+        # 503 is a worker fault, retried elsewhere (an engine's 500 would be relayed).
+        async with fake_workers(FakeBehaviour(mode="http_503"), FakeBehaviour()) as workers:
             config = router_config(workers, policy="round_robin")
             async with _router(config, RequestTracer(exporter, batch=False)) as url:
                 for _ in range(2):  # round robin: at least one starts on the failing worker

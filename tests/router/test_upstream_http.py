@@ -1,19 +1,34 @@
 """The lean upstream client (``router.upstream_http``) against scripted loopback servers:
 keep-alive reuse, the retry of a stale kept-alive connection, timeouts, disconnects,
-back-pressure and closing."""
+back-pressure, closing, extra header lines, and ``https://`` workers (a self-signed
+certificate made in the test)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
+import ipaddress
 import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from router import upstream_http
-from router.upstream_http import ConnectError, DisconnectedError, UpstreamPool
+from router.upstream_http import (
+    AbandonedError,
+    ConnectError,
+    DisconnectedError,
+    UpstreamPool,
+    client_tls_context,
+)
 from tests.polling import wait_until
 from tests.router.fakes import run
 
@@ -268,5 +283,172 @@ def test_pool_close_ends_busy_connections() -> None:
             await asyncio.wait_for(server.closed_by_client.wait(), 5)
             with pytest.raises(ConnectError):
                 await upstream.post(server.url, b"{}", deadline=_deadline())
+
+    run(main())
+
+
+def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
+    """A fresh key and a self-signed certificate for 127.0.0.1 (PEM files)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvroute test worker")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "worker.pem", directory / "worker.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+@contextlib.asynccontextmanager
+async def tls_server(cert: Path, key: Path) -> AsyncIterator[ScriptedServer]:
+    server = ScriptedServer(answer_ok)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    tcp = await asyncio.start_server(server.handle, "127.0.0.1", 0, ssl=context)
+    server.url = f"https://127.0.0.1:{tcp.sockets[0].getsockname()[1]}/v1/completions"
+    try:
+        yield server
+    finally:
+        tcp.close()
+        await tcp.wait_closed()
+
+
+def test_https_worker_with_its_ca_configured_is_reached_and_reused(tmp_path: Path) -> None:
+    cert, key = self_signed_certificate(tmp_path)
+
+    async def main() -> None:
+        async with tls_server(cert, key) as server:
+            upstream = UpstreamPool(connect_timeout_s=2.0, tls=client_tls_context(str(cert)))
+            try:
+                for _ in range(2):
+                    resp = await upstream.post(server.url, b"{}", deadline=_deadline())
+                    assert resp.status == 200
+                    assert await resp.read_all(_deadline()) == b"{}"
+                assert server.bodies == [b"{}", b"{}"]
+                assert (server.num_connections, upstream.num_connects) == (1, 1)
+            finally:
+                await upstream.close()
+
+    run(main())
+
+
+def test_https_worker_with_an_unknown_certificate_is_refused_by_default(tmp_path: Path) -> None:
+    """Verification is on by default: a self-signed certificate nobody configured is a
+    connect error (retried elsewhere), and no request byte reaches that server."""
+    cert, key = self_signed_certificate(tmp_path)
+
+    async def main() -> None:
+        async with tls_server(cert, key) as server:
+            for tls in (None, client_tls_context()):
+                upstream = UpstreamPool(connect_timeout_s=2.0, tls=tls)
+                try:
+                    with pytest.raises(ConnectError, match="certificate"):
+                        await upstream.post(server.url, b"{}", deadline=_deadline())
+                finally:
+                    await upstream.close()
+            assert server.bodies == []
+            insecure = UpstreamPool(connect_timeout_s=2.0, tls=client_tls_context(verify=False))
+            try:
+                resp = await insecure.post(server.url, b"{}", deadline=_deadline())
+                assert await resp.read_all(_deadline()) == b"{}"
+            finally:
+                await insecure.close()
+
+    run(main())
+
+
+def test_extra_header_lines_are_sent_before_the_length() -> None:
+    async def main() -> None:
+        async with scripted_server(answer_ok) as server, pool() as upstream:
+            extra = b"Authorization: Bearer k\r\nx-request-id: abc\r\n"
+            resp = await upstream.post(server.url, b"{}", deadline=_deadline(), headers=extra)
+            await resp.read_all(_deadline())
+            assert server.heads[0].endswith(extra + b"Content-Length: 2\r\n\r\n")
+
+    run(main())
+
+
+def test_an_unsolicited_second_response_makes_the_connection_unusable() -> None:
+    """A worker that sends a response nobody asked for (after the real one, in the same
+    write or later while the connection idles in the pool): that connection is dropped,
+    so the stray bytes can never be read as the answer to the next request."""
+
+    async def answer_twice(writer: asyncio.StreamWriter, number: int, body: bytes) -> str:
+        writer.write(OK + b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nstray")
+        return "keep"
+
+    async def main() -> None:
+        async with scripted_server(answer_twice) as server, pool() as upstream:
+            for _ in range(3):
+                resp = await upstream.post(server.url, b"{}", deadline=_deadline())
+                assert await resp.read_all(_deadline()) == b"{}"
+            assert upstream.num_connects == 3 and upstream.num_idle() == 0
+
+    run(main())
+
+
+def test_stray_bytes_on_an_idle_pooled_connection_close_it() -> None:
+    idle_write = asyncio.Event()
+
+    async def answer_then_stray(writer: asyncio.StreamWriter, number: int, body: bytes) -> str:
+        writer.write(OK)
+        await writer.drain()
+        await idle_write.wait()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nstray")
+        await writer.drain()
+        return "hang"
+
+    async def main() -> None:
+        async with scripted_server(answer_then_stray) as server, pool() as upstream:
+            resp = await upstream.post(server.url, b"{}", deadline=_deadline())
+            assert await resp.read_all(_deadline()) == b"{}"
+            assert upstream.num_idle() == 1
+            idle_write.set()
+            await asyncio.wait_for(server.closed_by_client.wait(), 5)
+            resp = await upstream.post(server.url, b"{}", deadline=_deadline(0.5))
+            assert upstream.num_connects == 2  # the stray connection was not reused
+            resp.close()
+
+    run(main())
+
+
+def test_a_head_wait_ends_once_the_answer_is_no_longer_wanted() -> None:
+    async def never_answer(writer: asyncio.StreamWriter, number: int, body: bytes) -> str:
+        return "hang"
+
+    async def main() -> None:
+        wanted = [True]
+        async with scripted_server(never_answer) as server, pool() as upstream:
+            post = asyncio.create_task(
+                upstream.post(
+                    server.url, b"{}", deadline=_deadline(30.0), still_wanted=lambda: wanted[0]
+                )
+            )
+            await wait_until(lambda: len(server.bodies) == 1, timeout_s=5.0)
+            assert not post.done()
+            wanted[0] = False
+            with pytest.raises(AbandonedError):
+                await asyncio.wait_for(post, 5)
+            await asyncio.wait_for(server.closed_by_client.wait(), 5)  # the request aborted
 
     run(main())

@@ -13,11 +13,12 @@ from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router import upstream
+from router import upstream_sse
 from router.config import RouterConfig
 from router.scheduling.types import Decision
-from router.upstream import Attempt, _EventReader, _EventStreamResponse, _filter_batch, _pump
+from router.upstream import Attempt, _EventStreamResponse, _filter_batch, _pump
 from router.upstream_http import ProtocolError, UpstreamResponse
+from router.upstream_sse import MAX_PENDING_BYTES, EventReader
 
 TOKEN = b'data: {"choices": [{"text": "a"}]}\n\n'
 USAGE = (
@@ -53,7 +54,7 @@ def _relay(pieces: list[bytes], attempt: Attempt) -> tuple[list[bytes], bool]:
     """What the relay writes (one entry per write) and whether it saw [DONE]."""
 
     async def main() -> tuple[list[bytes], bool]:
-        reader = _EventReader(cast(UpstreamResponse, ScriptedResponse(pieces)))
+        reader = EventReader(cast(UpstreamResponse, ScriptedResponse(pieces)))
         writes: list[bytes] = []
         while batch := await reader.next_batch(0.0):
             data, done = _filter_batch(batch, attempt)
@@ -121,14 +122,14 @@ def test_one_byte_reads_cut_the_same_events() -> None:
 
 def test_an_event_that_never_ends_is_bounded() -> None:
     mib = 1024 * 1024
-    endless = [b"data: " + b"x" * mib] * (upstream._MAX_PENDING_BYTES // mib + 1)
+    endless = [b"data: " + b"x" * mib] * (MAX_PENDING_BYTES // mib + 1)
 
     async def main() -> None:
-        reader = _EventReader(cast(UpstreamResponse, ScriptedResponse([TOKEN, *endless])))
+        reader = EventReader(cast(UpstreamResponse, ScriptedResponse([TOKEN, *endless])))
         assert await reader.next_batch(0.0) == TOKEN
         with pytest.raises(ProtocolError):
             await reader.next_batch(0.0)
-        assert reader._num_pending <= upstream._MAX_PENDING_BYTES + mib
+        assert reader._num_pending <= MAX_PENDING_BYTES + mib
 
     asyncio.run(main())
 
@@ -148,11 +149,11 @@ def test_a_stream_whose_event_never_ends_ends_with_an_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The relay reports the broken stream (its caller then writes the error event)."""
-    monkeypatch.setattr(upstream, "_MAX_PENDING_BYTES", 1000)
+    monkeypatch.setattr(upstream_sse, "MAX_PENDING_BYTES", 1000)
     pieces = [b"data: " + b"x" * 100] * 20
 
     async def main() -> str | None:
-        events = _EventReader(cast(UpstreamResponse, ScriptedResponse(pieces)))
+        events = EventReader(cast(UpstreamResponse, ScriptedResponse(pieces)))
         client = RecordingClient()
         deadline = asyncio.get_running_loop().time() + 5.0
         config = RouterConfig(workers=[])

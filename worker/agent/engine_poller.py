@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Final
@@ -187,7 +188,7 @@ class EnginePoller:
     async def _read_models(self) -> None:
         try:
             async with self._session.get(
-                f"{self._engine_url}/v1/models", timeout=self._timeout
+                f"{self._engine_url}/v1/models", timeout=self._timeout, headers=_engine_auth()
             ) as response:
                 response.raise_for_status()
                 body = await response.json()
@@ -197,3 +198,10 @@ class EnginePoller:
             return
         self._state.models = models
         self._epoch_of_models = self._state.epoch
+
+
+def _engine_auth() -> dict[str, str]:
+    """``VLLM_API_KEY``, vLLM's own variable for its ``--api-key``: set in the worker's
+    environment, it protects the engine and lets the agent read ``/v1/models``."""
+    key = os.environ.get("VLLM_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}

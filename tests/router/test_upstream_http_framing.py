@@ -1,5 +1,6 @@
-"""The upstream client's HTTP/1.1 response parser: framing, head fields, bad input, and
-that any split of the bytes into reads gives the same body."""
+"""The upstream client's response framing on llhttp: framing, head fields, bad input
+(at least as strict as the hand-written parser it replaced), and that any split of the
+bytes into reads gives the same body."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.upstream_http_parser import ProtocolError, ResponseParser
+from router.upstream_http_framing import MAX_HEAD_BYTES, ProtocolError, ResponseParser
 
 CHUNKED = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -70,12 +71,21 @@ def test_keep_alive_follows_version_and_connection_header(
     assert parser.keep_alive is keep_alive
 
 
-def test_content_length_with_chunked_decodes_chunked_and_is_not_reused() -> None:
-    """Both framings: a smuggling-shaped answer; chunked wins, the connection is closed."""
+def test_content_length_with_chunked_is_a_protocol_error() -> None:
+    """Both framings: a smuggling-shaped answer (RFC 9112 6.3: "ought to be handled as an
+    error"); the connection is closed rather than guessed at."""
     head = b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: Chunked\r\n\r\n"
-    parser, body = _parse(head + b"2\r\nab\r\n0\r\n\r\n")
-    assert body == b"ab" and parser.finished
-    assert not parser.keep_alive
+    with pytest.raises(ProtocolError):
+        _parse(head + b"2\r\nab\r\n0\r\n\r\n")
+
+
+def test_trailer_fields_do_not_replace_head_fields() -> None:
+    response = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: a/b\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"2\r\nab\r\n0\r\nContent-Type: c/d\r\n\r\n"
+    )
+    parser, body = _parse(response)
+    assert (body, parser.content_type, parser.finished) == (b"ab", "a/b", True)
 
 
 def test_interim_1xx_response_is_skipped() -> None:
@@ -84,9 +94,27 @@ def test_interim_1xx_response_is_skipped() -> None:
     assert (parser.status, body, parser.finished) == (200, b"ok", True)
 
 
-def test_bytes_after_the_response_make_the_connection_not_reusable() -> None:
-    parser, body = _parse(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokEXTRA")
-    assert body == b"ok" and parser.finished
+@pytest.mark.parametrize(
+    "extra",
+    [b"EXTRA", b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", b"HTTP/1.1 200 OK\r\n"],
+)
+def test_bytes_after_the_response_make_the_connection_not_reusable(extra: bytes) -> None:
+    """An unsolicited second response (whole or partial) or garbage after the body."""
+    parser, body = _parse(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok" + extra)
+    assert body == b"ok" and parser.finished and parser.status == 200
+    assert not parser.keep_alive
+
+
+def test_bytes_after_a_connection_close_response_are_ignored() -> None:
+    response = b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nokEXTRA"
+    parser, body = _parse(response)
+    assert (body, parser.finished, parser.keep_alive) == (b"ok", True, False)
+
+
+def test_bytes_when_no_response_is_expected_make_the_connection_not_reusable() -> None:
+    parser, _ = _parse(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+    parser.reset()
+    assert parser.feed(b"HTTP/1.1 200 OK\r\n\r\n") == []
     assert not parser.keep_alive
 
 
@@ -107,6 +135,14 @@ def test_bytes_after_the_response_make_the_connection_not_reusable() -> None:
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, chunked\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nnot decoded",
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding:\r\n\r\n",
+        b"HTTP/1.1 099 Too Low\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 600 Too High\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 1000 X\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/2.0 200 OK\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: upgrade\r\n\r\n",
+        b"HTTP/1.1 200 OK\nContent-Length: 0\n\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nab",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1 2\r\n\r\n",
     ],
 )
 def test_malformed_responses_raise_protocol_error(response: bytes) -> None:
@@ -114,15 +150,29 @@ def test_malformed_responses_raise_protocol_error(response: bytes) -> None:
         _parse(response)
 
 
-def test_an_endless_head_or_chunk_line_is_bounded() -> None:
+def test_an_endless_head_or_chunk_size_is_bounded() -> None:
     parser = ResponseParser()
     parser.start()
+    parser.feed(b"HTTP/1.1 200 OK\r\n" + b"X-Big: ")
     with pytest.raises(ProtocolError):
-        parser.feed(b"HTTP/1.1 200 OK\r\n" + b"X-Big: " + b"x" * 70_000)
+        for _ in range(MAX_HEAD_BYTES // 1000 + 1):
+            parser.feed(b"x" * 1000)
+    parser = ResponseParser()
     parser.start()
     parser.feed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
     with pytest.raises(ProtocolError):
         parser.feed(b"1" * 5_000)
+
+
+def test_an_endless_chunk_extension_is_not_kept() -> None:
+    """llhttp skips chunk extensions as they stream past; nothing accumulates."""
+    parser = ResponseParser()
+    parser.start()
+    parser.feed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2;ext=")
+    for _ in range(100):
+        assert parser.feed(b"y" * 10_000) == []
+    assert parser.feed(b"\r\nab\r\n0\r\n\r\n") == [b"ab"]
+    assert parser.finished
 
 
 def test_start_resets_the_fields_of_the_previous_response() -> None:
@@ -132,6 +182,15 @@ def test_start_resets_the_fields_of_the_previous_response() -> None:
     parser.start()
     assert (parser.status, parser.content_type, parser.head_started) == (0, None, False)
     assert not parser.head_done
+
+
+def test_a_keep_alive_connection_parses_responses_one_after_the_other() -> None:
+    parser = ResponseParser()
+    for i in range(3):
+        parser.start()
+        body = parser.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n%d" % i)
+        assert (body, parser.finished, parser.keep_alive) == ([b"%d" % i], True, True)
+        parser.reset()
 
 
 @given(st.lists(st.integers(min_value=0, max_value=len(CHUNKED)), max_size=12))

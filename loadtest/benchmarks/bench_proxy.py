@@ -12,7 +12,13 @@
 
 Every process is separate: simulated workers (``serve-sims``, this module), the router
 (``python -m router.cli router``) and the load client (this process).
-Usage: ``python -m router.bench_proxy {overhead,throughput,ttft} [--out FILE]``.
+Usage: ``python -m loadtest.benchmarks.bench_proxy {overhead,throughput,ttft} [--out FILE]``.
+
+A/B against an earlier revision: ``overhead --baseline-rev REV`` extracts that git
+revision's code (``git archive``) and runs its router next to this checkout's, both in
+front of the same simulated worker, requests interleaved (direct, router, baseline) in
+one run; the table gets ``baseline_*`` rows (e.g. the hand-written HTTP parser before
+the move to httptools).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import io
 import json
 import os
 import random
@@ -28,6 +35,8 @@ import socket
 import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -59,11 +68,14 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 @contextlib.contextmanager
-def child(args: list[str]) -> Iterator[subprocess.Popen[bytes]]:
+def child(
+    args: list[str], env: dict[str, str] | None = None, cwd: Path | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
     """A child process in its own group, stopped (SIGTERM, then SIGKILL) on exit."""
     proc = subprocess.Popen(
-        args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+        args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        env=env, cwd=cwd,
+    )  # fmt: skip
     try:
         yield proc
     finally:
@@ -79,7 +91,8 @@ def child(args: list[str]) -> Iterator[subprocess.Popen[bytes]]:
 @contextlib.contextmanager
 def sims(num: int, speedup: float) -> Iterator[list[str]]:
     ports = [free_port() for _ in range(num)]
-    args = [sys.executable, "-m", "router.bench_proxy", "serve-sims", "--speedup", str(speedup)]
+    args = [sys.executable, "-m", "loadtest.benchmarks.bench_proxy", "serve-sims",
+            "--speedup", str(speedup)]  # fmt: skip
     for port in ports:
         args += ["--port", str(port)]
     with child(args):
@@ -96,13 +109,19 @@ ROUTER_PIDS: dict[str, int] = {}  # router base URL -> its process id
 
 
 @contextlib.contextmanager
-def router(workers: Sequence[str], policy: str, *extra: str) -> Iterator[str]:
+def router(
+    workers: Sequence[str], policy: str, *extra: str, code_dir: Path | None = None
+) -> Iterator[str]:
+    """A router process; ``code_dir``: run the code found there (an A/B baseline)."""
     port = free_port()
     args = [sys.executable, "-m", "router.cli", "router", "--port", str(port), "--policy",
             policy, "--block-size", "32", "--log-level", "warning", *extra]  # fmt: skip
     for url in workers:
         args += ["--worker", url]
-    with child(args) as proc:
+    env = None
+    if code_dir is not None:  # ``-m`` puts the working directory first on sys.path
+        env = {**os.environ, "PYTHONPATH": str(code_dir)}
+    with child(args, env, cwd=code_dir) as proc:
         base = f"http://127.0.0.1:{port}"
         ROUTER_PIDS[base] = proc.pid
         yield base
@@ -143,38 +162,82 @@ def random_prompt(rng: random.Random, num_chars: int) -> str:
     return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(num_chars))
 
 
-async def bench_overhead(num: int) -> dict[str, Any]:
+@contextlib.contextmanager
+def revision_code(rev: str | None) -> Iterator[Path | None]:
+    """The router's packages as they were at git revision ``rev``, in a temp dir."""
+    if rev is None:
+        yield None
+        return
+    repo = Path(__file__).resolve().parents[2]
+    with tempfile.TemporaryDirectory(prefix="kvroute-baseline-") as tmp:
+        archive = subprocess.run(
+            ["git", "-C", str(repo), "archive", rev, "kvindex", "router", "worker"],
+            check=True, capture_output=True,
+        ).stdout  # fmt: skip
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(tmp, filter="data")
+        yield Path(tmp)
+
+
+async def bench_overhead(num: int, baseline_rev: str | None = None) -> dict[str, Any]:
     rng = random.Random(SEED)
     results: dict[str, Any] = {}
-    with sims(1, speedup=1000.0) as (worker,), router([worker], "cache_aware") as base:
+    with contextlib.ExitStack() as stack:
+        (worker,) = stack.enter_context(sims(1, speedup=1000.0))
+        routers = {"router": stack.enter_context(router([worker], "cache_aware"))}
+        code_dir = stack.enter_context(revision_code(baseline_rev))
+        if code_dir is not None:
+            routers["baseline"] = stack.enter_context(
+                router([worker], "cache_aware", code_dir=code_dir)
+            )
         async with aiohttp.ClientSession() as session:
             await wait_ok(session, worker + "/health")
-            await wait_ok(session, base + "/ready")
+            for base in routers.values():
+                await wait_ok(session, base + "/ready")
             for stream in (False, True):
-                direct: list[float] = []
-                routed: list[float] = []
-                cpu_before = cpu_seconds(ROUTER_PIDS[base])
-                for i in range(num + 50):
-                    body = {"model": MODEL, "prompt": random_prompt(rng, 64), "max_tokens": 1,
-                            "stream": stream}  # fmt: skip
-                    pair = [(worker, direct), (base, routed)]
-                    for target, sink in pair if i % 2 else reversed(pair):
-                        seconds = await completion(session, target, body)
-                        if i >= 50:  # warm-up
-                            sink.append(seconds)
-                router_cpu = cpu_seconds(ROUTER_PIDS[base]) - cpu_before
-                diffs = [r - d for r, d in zip(routed, direct, strict=True)]
-                results["stream" if stream else "unary"] = {
-                    "direct_p50_ms": percentile(direct, 50) * 1e3,
-                    "router_p50_ms": percentile(routed, 50) * 1e3,
-                    "direct_p90_ms": percentile(direct, 90) * 1e3,
-                    "router_p90_ms": percentile(routed, 90) * 1e3,
-                    "overhead_p50_ms": statistics.median(diffs) * 1e3,
-                    # contention-proof: the router process's own CPU per request
-                    "router_cpu_ms_per_request": router_cpu / (num + 50) * 1e3,
-                    "num_requests": len(diffs),
-                }
+                row = await _overhead_run(session, rng, worker, routers, num, stream)
+                results["stream" if stream else "unary"] = row
+    if baseline_rev is not None:
+        results["baseline_rev"] = baseline_rev
     return results
+
+
+async def _overhead_run(
+    session: aiohttp.ClientSession,
+    rng: random.Random,
+    worker: str,
+    routers: dict[str, str],
+    num: int,
+    stream: bool,
+) -> dict[str, float]:
+    """Paired requests: direct and through each router, in rotating order."""
+    targets = [("direct", worker), *routers.items()]
+    samples: dict[str, list[float]] = {name: [] for name, _ in targets}
+    cpu_before = {name: cpu_seconds(ROUTER_PIDS[base]) for name, base in routers.items()}
+    for i in range(num + 50):
+        body = {"model": MODEL, "prompt": random_prompt(rng, 64), "max_tokens": 1,
+                "stream": stream}  # fmt: skip
+        shift = i % len(targets)
+        for name, target in targets[shift:] + targets[:shift]:
+            seconds = await completion(session, target, body)
+            if i >= 50:  # warm-up
+                samples[name].append(seconds)
+    direct = samples["direct"]
+    row: dict[str, float] = {
+        "direct_p50_ms": percentile(direct, 50) * 1e3,
+        "direct_p90_ms": percentile(direct, 90) * 1e3,
+        "num_requests": len(direct),
+    }
+    for name, base in routers.items():
+        routed = samples[name]
+        diffs = [r - d for r, d in zip(routed, direct, strict=True)]
+        # contention-proof: the router process's own CPU per request
+        cpu = cpu_seconds(ROUTER_PIDS[base]) - cpu_before[name]
+        row[f"{name}_p50_ms"] = percentile(routed, 50) * 1e3
+        row[f"{name}_p90_ms"] = percentile(routed, 90) * 1e3
+        row[f"{name}_overhead_p50_ms"] = statistics.median(diffs) * 1e3
+        row[f"{name}_cpu_ms_per_request"] = cpu / (num + 50) * 1e3
+    return row
 
 
 async def closed_loop(
@@ -358,13 +421,16 @@ def print_table(title: str, rows: list[tuple[str, str]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m router.bench_proxy",
+        prog="python -m loadtest.benchmarks.bench_proxy",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("mode", choices=["overhead", "throughput", "ttft", "serve-sims"])
     parser.add_argument("--out", type=Path, help="JSON results file")
     parser.add_argument("--num", type=int, default=400, help="overhead: paired requests")
+    parser.add_argument(
+        "--baseline-rev", help="overhead: also run the router of this git revision (A/B)"
+    )
     parser.add_argument("--num-workers", type=int, default=4, help="throughput: sim workers")
     parser.add_argument("--concurrency", type=int, default=32, help="throughput: clients")
     parser.add_argument("--seconds", type=float, default=10.0, help="throughput: duration")
@@ -381,8 +447,13 @@ def main(argv: list[str] | None = None) -> int:
             runner.run(serve_sims(args.port, args.speedup))
             return 0
         if args.mode == "overhead":
-            result = runner.run(bench_overhead(args.num))
-            rows = [(f"{kind} {k}", f"{v:.3f}") for kind, r in result.items() for k, v in r.items()]
+            result = runner.run(bench_overhead(args.num, args.baseline_rev))
+            rows = [
+                (f"{kind} {k}", f"{v:.3f}")
+                for kind, r in result.items()
+                if isinstance(r, dict)
+                for k, v in r.items()
+            ]
         elif args.mode == "throughput":
             result = runner.run(bench_throughput(args.num_workers, args.concurrency, args.seconds))
             rows = [(k, f"{v:.1f}" if isinstance(v, float) else str(v)) for k, v in result.items()]

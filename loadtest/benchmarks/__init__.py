@@ -1,0 +1,1 @@
+"""Benchmark scripts (fixed seeds; each prints a table and writes JSON)."""
