@@ -5,7 +5,8 @@ Precedence, highest first: command-line flags > ``KVROUTE_*`` env vars > the con
 with its type, default and help text; ``kvroute router --help`` prints that help, the
 env var name and the file key.
 
-Worker specs (``--worker``) read ``URL[,agent=URL][,id=NAME][,max_concurrency=N]``.
+Worker specs (``--worker``) read
+``URL[,agent=URL][,id=NAME][,max_concurrency=N][,engine=NAME]``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class WorkerSpec:
     agent_url: str | None = None
     worker_id: str = ""
     max_concurrency: int | None = None
+    engine: str = "vllm"  # its adapter in router.engines (vllm, sim)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", self.url.rstrip("/"))
@@ -41,6 +43,9 @@ class WorkerSpec:
             object.__setattr__(self, "worker_id", self.url)
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"worker URL must start with http:// or https://: {self.url!r}")
+        from router.engines import engine_adapter
+
+        engine_adapter(self.engine)  # an unknown engine name fails here, naming the known
 
     @classmethod
     def parse(cls, text: str) -> WorkerSpec:
@@ -57,6 +62,8 @@ class WorkerSpec:
                 kwargs["worker_id"] = value
             elif key == "max_concurrency":
                 kwargs["max_concurrency"] = int(value)
+            elif key == "engine":
+                kwargs["engine"] = value
             else:
                 raise ValueError(f"unknown worker option {key!r} (in {text!r})")
         return cls(url=url, **kwargs)
@@ -64,7 +71,8 @@ class WorkerSpec:
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> WorkerSpec:
         """A file entry: ``{url, agent_url?, id?, max_concurrency?}``."""
-        unknown = set(data) - {"url", "agent_url", "agent", "id", "worker_id", "max_concurrency"}
+        known = {"url", "agent_url", "agent", "id", "worker_id", "max_concurrency", "engine"}
+        unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown worker keys {sorted(unknown)} in {dict(data)}")
         cap = data.get("max_concurrency")
@@ -73,6 +81,7 @@ class WorkerSpec:
             agent_url=data.get("agent_url", data.get("agent")),
             worker_id=str(data.get("id", data.get("worker_id", ""))),
             max_concurrency=None if cap is None else int(cap),
+            engine=str(data.get("engine", "vllm")),
         )
 
 
@@ -89,6 +98,10 @@ class RouterConfig:
     discovery_interval_s: float = 5.0
     tokenizers: dict[str, str] = field(default_factory=dict)
     default_tokenizer: str | None = None
+    tokenizer_backends: dict[str, str] = field(default_factory=dict)
+    tokenizer_from_model_root: bool = True
+    unknown_model_routing: str = "error"
+    tokenize_threads: int = 2
     block_size: int | None = None
     max_concurrency: int | None = None
     agent_token: str | None = None
@@ -103,6 +116,7 @@ class RouterConfig:
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
     unhealthy_after: int = 2
+    dead_after_s: float = 20.0
     sync_timeout_s: float = 10.0
     prediction_ttl_s: float = 2.0
     session_header: str = "x-session-id"
@@ -131,7 +145,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "workers",
         "workers",
-        "a worker: URL[,agent=URL][,id=NAME][,max_concurrency=N]; "
+        "a worker: URL[,agent=URL][,id=NAME][,max_concurrency=N][,engine=vllm|sim]; "
         "repeat the flag, or comma-free ';'-separated in env",
     ),
     Option(
@@ -144,14 +158,33 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "tokenizers",
         "mapping",
-        "tokenizer folder of a model: MODEL=DIR (repeatable); "
-        "shipped models (kvroute-tiny, kvroute-small) need none",
+        "tokenizer folder of a model: MODEL=DIR (repeatable); a model whose worker "
+        "reports a local folder as its root (as the shipped models do) needs none",
     ),
     Option(
         "default_tokenizer",
         "str",
-        "tokenizer folder for models without one (default: the shipped tiny model's)",
+        "tokenizer folder for every model without one of its own (default: none)",
     ),
+    Option(
+        "tokenizer_backends",
+        "mapping",
+        "tokenizer backend of a model: MODEL=local|engine (repeatable); engine: the "
+        "workers' own POST /tokenize, cached",
+    ),
+    Option(
+        "tokenizer_from_model_root",
+        "bool",
+        "use the tokenizer files in the folder a worker reports as its model root "
+        "(vLLM's /v1/models 'root'), when that folder exists here",
+    ),
+    Option(
+        "unknown_model_routing",
+        "str",
+        "a served model without a tokenizer: error (refused at startup, worker not "
+        "routable) or load_only (routed by load, no prefix hits, counted in a metric)",
+    ),
+    Option("tokenize_threads", "int", "threads that tokenize large prompts off the event loop"),
     Option(
         "block_size",
         "int",
@@ -175,8 +208,22 @@ OPTIONS: tuple[Option, ...] = (
     Option("idle_timeout_s", "float", "upstream timeout between two streamed chunks"),
     Option("total_timeout_s", "float", "upstream timeout for a whole request"),
     Option("health_interval_s", "float", "seconds between worker health checks"),
-    Option("health_timeout_s", "float", "timeout of one health check"),
-    Option("unhealthy_after", "int", "failed health checks in a row before a worker is out"),
+    Option(
+        "health_timeout_s",
+        "float",
+        "a health check slower than this makes the worker suspect: no new requests, index kept",
+    ),
+    Option(
+        "unhealthy_after",
+        "int",
+        "refused or failed health checks in a row before a worker leaves the index",
+    ),
+    Option(
+        "dead_after_s",
+        "float",
+        "seconds a suspect worker (health checks slower than --health-timeout-s, no "
+        "request progress) keeps its index before it leaves it",
+    ),
     Option(
         "sync_timeout_s",
         "float",

@@ -4,7 +4,9 @@ Life of one request (``Proxy.handle``):
 
 1. read the body (``max_body_bytes``, else 413), parse and type-check it (400), check
    the model is served (404; 503 when only unhealthy workers serve it);
-2. tokenize exactly as the engine will (``ModelTokenizer``), build a ``RoutingRequest``;
+2. tokenize exactly as the engine will (the model's ``PromptTokenizer``: large prompts
+   off the event loop; a model in load-only mode has no token ids and is routed by
+   load), build a ``RoutingRequest``;
 3. ``scheduler.pick`` through the ``AdmissionQueue`` (wait, or 429 with Retry-After);
 4. forward the body unchanged except router-owned fields (``stream_options.include_usage``
    when streaming, so usage can be read; ``cache_salt`` from the tenant). Connect errors
@@ -27,20 +29,21 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from aiohttp import web
 
 from kvindex.index import WorkerId
 from router.admission import AdmissionQueue
 from router.config import RouterConfig
-from router.errors import ApiError, bad_request, model_not_found
-from router.fleet import Fleet, TokenizerRegistry
+from router.errors import ApiError, model_not_found
 from router.metrics import RouterMetrics
+from router.prompt_tokenizers import TokenizerUnavailable
+from router.registry import WorkerRegistry
 from router.requests import ParsedRequest, RequestKind, first_prompt, parse_request
 from router.scheduling.scheduler import Scheduler
 from router.scheduling.types import Decision, RoutingRequest
-from router.tokenization import ModelTokenizer, TokenizationError
+from router.tokenization import TokenizationError
+from router.tokenizer_registry import TokenizerRegistry
 from router.upstream import Attempt, RetryableError, forward
 from router.upstream_http import UpstreamPool
 
@@ -67,7 +70,7 @@ class HitCounter:
 @dataclass(slots=True)
 class Proxy:
     config: RouterConfig
-    fleet: Fleet
+    fleet: WorkerRegistry
     scheduler: Scheduler
     tokenizers: TokenizerRegistry
     metrics: RouterMetrics
@@ -93,7 +96,7 @@ class Proxy:
         tenant = request.get(TENANT_KEY)
         if tenant is not None and self.config.salt_by_tenant:
             parsed.set_field("cache_salt", tenant)
-        routing = self._routing_request(parsed)
+        routing = await self._routing_request(parsed, len(raw))
         if parsed.stream and not parsed.client_wants_usage:
             options = dict(parsed.body.get("stream_options") or {})
             options["include_usage"] = True
@@ -118,16 +121,19 @@ class Proxy:
         self.metrics.rejected.labels(reason="unknown_model").inc()
         raise model_not_found(model)
 
-    def _routing_request(self, parsed: ParsedRequest) -> RoutingRequest:
+    async def _routing_request(self, parsed: ParsedRequest, size: int) -> RoutingRequest:
         start = time.perf_counter()
         model = parsed.model
         base_model = self._base_model_of_lora(model)
-        tokenizer = self.tokenizers.get(base_model or model)
         body = parsed.body
         try:
-            token_ids = _token_ids(tokenizer, parsed)
+            token_ids = await self._token_ids(base_model or model, parsed, size)
         except ApiError:
             raise
+        except TokenizerUnavailable as exc:
+            raise ApiError(
+                503, f"Could not tokenize the request: {exc}", headers={"Retry-After": "1"}
+            ) from None
         except TokenizationError as exc:
             raise ApiError(400, f"Could not tokenize the request: {exc}", param=exc.param) from None
         except Exception as exc:  # template or tokenizer errors on client input
@@ -143,6 +149,21 @@ class Proxy:
             session_key=parsed.session_key,
             max_tokens=parsed.max_tokens,
         )
+
+    async def _token_ids(self, model: str, parsed: ParsedRequest, size: int) -> list[int]:
+        """The prompt token ids the engine will see ([]: routed by load alone)."""
+        body = parsed.body
+        if parsed.kind == "completion":
+            prompt = first_prompt(body["prompt"])
+            if not isinstance(prompt, str):
+                # NOTE: parse_request validated the ids; checking them again per token
+                # here cost about 1 ms per 8K-token prompt.
+                return prompt
+        tokenizer = self.tokenizers.get(model)
+        if tokenizer is None:  # load_only: no tokenizer configured for this model
+            self.metrics.without_prefix_info.labels(model=model).inc()
+            return []
+        return await tokenizer.token_ids(parsed.kind, body, size_hint=size)
 
     def _base_model_of_lora(self, model: str) -> str | None:
         """The base model a LoRA adapter runs on (None: ``model`` is not a LoRA)."""
@@ -210,6 +231,7 @@ class Proxy:
         )
 
     def _on_first_token(self, attempt: Attempt) -> None:
+        self.fleet.note_alive(attempt.decision.worker_id)
         self.scheduler.on_first_token(attempt.decision, attempt.ttft_s or 0.0)
 
     def _finish(self, attempt: Attempt, *, ok: bool) -> None:
@@ -222,6 +244,7 @@ class Proxy:
         if attempt.status is not None:
             self.metrics.count_request(decision.policy, worker, str(attempt.status))
         if ok:
+            self.fleet.note_alive(worker)
             self._record_ok(attempt)
         if self.scheduler.on_finish(decision, num_cached_tokens=cached, ok=ok):
             self.resync(worker, "drift")
@@ -244,26 +267,3 @@ class Proxy:
             m.actual_cached.inc(attempt.cached_tokens)
             m.cached_drift.observe(attempt.cached_tokens - decision.predicted_cached_tokens)
             self.hits.cached_tokens += attempt.cached_tokens
-
-
-def _token_ids(tokenizer: ModelTokenizer, parsed: ParsedRequest) -> list[int]:
-    """The prompt token ids the engine will see, with vLLM's per-endpoint defaults."""
-    body = parsed.body
-    if parsed.kind == "completion":
-        add_special_tokens = _flag(body, "add_special_tokens", default=True)
-        prompt = first_prompt(body["prompt"])
-        if not isinstance(prompt, str):
-            # NOTE: parse_request validated the ids; checking them again per token
-            # here cost about 1 ms per 8K-token prompt.
-            return prompt
-        return tokenizer.completion_token_ids(prompt, add_special_tokens=add_special_tokens)
-    # NOTE: one place merges chat_template_kwargs under the request's own fields, as
-    # vLLM does; passing both as keyword arguments here collided on shared names.
-    return tokenizer.chat_request_token_ids(body)
-
-
-def _flag(body: dict[str, Any], key: str, *, default: bool) -> bool:
-    value = body.get(key, default)
-    if not isinstance(value, bool):
-        raise bad_request(f"Invalid type for '{key}': expected a boolean.", key)
-    return value

@@ -31,8 +31,9 @@ import zmq.asyncio
 from kvindex.agent_protocol import Epoch, LoadReport, StreamSeq
 from kvindex.index import PrefixIndex, WorkerId
 from kvindex.protocol import BlockStored, EventBatch
-from router.fleet import Fleet, FleetWorker
 from router.metrics import RouterMetrics
+from router.registry import RegisteredWorker as FleetWorker
+from router.registry import WorkerRegistry as Fleet
 from router.zmq_subscription import ZmqSubscription
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,8 @@ from zmq.utils.monitor import parse_monitor_message
 from kvindex.protocol import SEQ_END_MARKER, EventBatch, EventDecodeError, decode_frame
 
 if TYPE_CHECKING:
-    from router.fleet import Fleet, FleetWorker
+    from router.registry import RegisteredWorker as FleetWorker
+    from router.registry import WorkerRegistry as Fleet
     from router.subscriptions import IndexFeed
 
 log = logging.getLogger(__name__)

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from router.app import create_app, start_server
 from router.config import RouterConfig, WorkerSpec
+from worker.models import model_dir
 
 MODEL = "kvroute-tiny"
 BLOCK_SIZE = 32
@@ -80,7 +81,8 @@ class FakeWorker:
         return web.json_response(info)
 
     async def _models(self, request: web.Request) -> web.Response:
-        data = [{"id": MODEL, "object": "model", "parent": None}]
+        # root: the model folder, as vLLM reports it (the router finds the tokenizer there)
+        data = [{"id": MODEL, "object": "model", "parent": None, "root": str(model_dir("tiny"))}]
         if self.behaviour.lora:
             data.append({"id": self.behaviour.lora, "object": "model", "parent": MODEL})
         return web.json_response({"object": "list", "data": data})

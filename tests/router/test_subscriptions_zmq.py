@@ -11,7 +11,7 @@ from aiohttp import web
 
 from router.app import FLEET, INDEX
 from router.config import RouterConfig, WorkerSpec
-from router.fleet import PROVISIONAL_BLOCK_SIZE
+from router.registry import PROVISIONAL_BLOCK_SIZE
 from tests.polling import wait_until
 from tests.router.fakes import run, running_router
 from tests.router.simfleet import BLOCK_SIZE
