@@ -148,12 +148,14 @@ class Prober:
     ) -> HealthOutcome:
         request = asyncio.ensure_future(self._get_health(session, worker))
         try:
-            done, _ = await asyncio.wait({request}, timeout=self._config.health_timeout_s)
-            if not done:
+            while True:
+                done, _ = await asyncio.wait({request}, timeout=self._config.health_timeout_s)
+                if done:
+                    return request.result()
+                # still no answer: suspect, unless its requests show it alive
                 if not self._alive_lately(worker):
                     self._registry.mark_suspect(worker)
                 probe.settled.set()
-            return await request
         finally:
             request.cancel()
 
