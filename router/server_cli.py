@@ -16,6 +16,7 @@ import uvloop
 
 from router.app import create_app, start_server
 from router.config import RouterConfig, configure_parser, load_config
+from router.tokenizer_registry import UnknownTokenizerError
 
 EPILOG = """\
 precedence: flags > KVROUTE_* env vars > --config file > defaults.
@@ -44,8 +45,12 @@ def run(args: argparse.Namespace) -> int:
     if not config.workers and not config.workers_file:
         print("kvroute router: no workers (--worker or --workers-file)", file=sys.stderr)
         return 2
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(serve(config))
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(serve(config))
+    except (UnknownTokenizerError, ValueError, OSError) as exc:  # configuration, at startup
+        print(f"kvroute router: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -5,9 +5,9 @@ A model's tokenizer is, in this order:
 1. ``--tokenizer-backends MODEL=engine``: the engine's own ``/tokenize``;
 2. ``--tokenizers MODEL=DIR``: that folder (loaded and checked at startup);
 3. the folder the worker says it loaded the model from (``root`` in vLLM's
-   ``/v1/models``) when it exists on the router's machine and ``--tokenizer-from-model-root``
-   is on (the default): the very files the engine uses, so same-host fleets (the demo,
-   the tests) need no configuration;
+   ``/v1/models``) when it is an absolute path holding ``tokenizer.json`` on the router's
+   machine and ``--tokenizer-from-model-root`` is on (the default): the very files the
+   engine uses, so same-host fleets (the demo, the tests) need no configuration;
 4. ``--default-tokenizer DIR``, when given;
 5. otherwise the model has no tokenizer. With ``--unknown-model-routing error`` (the
    default) that is a configuration error: ``UnknownTokenizerError``, raised at startup
@@ -122,7 +122,9 @@ class TokenizerRegistry:
             return self._local(Path(config.tokenizers[model]))
         if root and config.tokenizer_from_model_root:
             folder = Path(root)
-            if (folder / "tokenizer.json").is_file():
+            # NOTE: absolute only: a relative root (a hub id, or a path relative to the
+            # engine's working directory) could name an unrelated folder here.
+            if folder.is_absolute() and (folder / "tokenizer.json").is_file():
                 return self._local(folder)
         if config.default_tokenizer:
             return self._local(Path(config.default_tokenizer))

@@ -198,7 +198,7 @@ class ZmqSubscription:
 
     async def _sources(self) -> tuple[str, str | None, str] | None:
         url = self._worker.spec.url
-        async with self._session.get(url + "/kv_event_sources") as resp:
+        async with self._session.get(url + self._worker.engine.kv_event_sources_path) as resp:
             resp.raise_for_status()
             sources = await resp.json()
         if not sources:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -95,10 +96,26 @@ def test_a_model_without_a_tokenizer_is_a_startup_error() -> None:
     run(main())
 
 
+def test_the_router_command_exits_with_the_configuration_error() -> None:
+    async def main() -> None:
+        async with unknown_model_worker() as (url, _):
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "router.cli", "router", "--port", "0", "--worker", url,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            _, stderr = await process.communicate()
+            assert process.returncode == 2
+            assert f"model `{UNKNOWN_MODEL}` has no tokenizer" in stderr.decode()
+            assert "Traceback" not in stderr.decode()
+
+    run(main())
+
+
 def test_load_only_routes_by_load_predicts_nothing_and_counts_it() -> None:
     async def main() -> None:
         async with unknown_model_worker() as (url, bodies):
             config = router_config([url], unknown_model_routing="load_only")
+            config.policy = "cache_aware"  # the default policy copes with no token ids
             async with fake_router(config) as (app, router_url), aiohttp.ClientSession() as s:
                 assert app[TOKENIZERS].load_only(UNKNOWN_MODEL)
                 view = app[FLEET].views()[0]
