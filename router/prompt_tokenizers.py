@@ -56,6 +56,7 @@ class PromptTokenizer(Protocol):
     backend: str  # "local" | "engine"
     fingerprint: str  # enters the block-hash namespace
     chat_template_fingerprint: str
+    vocab_size: int | None  # token ids must be below it (None: only the engine knows)
 
     async def token_ids(
         self, kind: RequestKind, body: Mapping[str, Any], *, size_hint: int
@@ -103,6 +104,7 @@ class LocalPromptTokenizer:
         self.tokenizer = tokenizer
         self.fingerprint = tokenizer.fingerprint
         self.chat_template_fingerprint = tokenizer.chat_template_fingerprint
+        self.vocab_size: int | None = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
         self._pool = pool
 
     async def token_ids(
@@ -157,6 +159,7 @@ class EnginePromptTokenizer:
         self.model = model
         self.fingerprint = fingerprint(f"engine-tokenize:{model}")
         self.chat_template_fingerprint = self.fingerprint
+        self.vocab_size: int | None = None
         self._endpoints = endpoints
         self._session = session
         self._slots = asyncio.Semaphore(max_in_flight)

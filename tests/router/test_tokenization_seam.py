@@ -179,6 +179,8 @@ def test_engine_backend_matches_the_local_tokenizer_over_real_http() -> None:
                     want = await local.token_ids(kind, body, size_hint=0)  # type: ignore[arg-type]
                     got = await engine.token_ids(kind, body, size_hint=0)  # type: ignore[arg-type]
                     assert got == want and len(got) > 5, (kind, body)
+                assert local.vocab_size is not None and local.vocab_size > 256  # bytes + specials
+                assert engine.vocab_size is None  # only the engine knows
                 calls = engine.num_engine_calls
                 assert calls == len(cases)
                 for kind, body in cases:  # cached: no further call
