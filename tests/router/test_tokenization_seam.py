@@ -17,7 +17,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.app import FLEET, INDEX, TOKENIZERS, create_app, start_server
 from router.engines import ENGINES
-from router.prompt_tokenizers import EnginePromptTokenizer, LocalPromptTokenizer, TokenizePool
+from router.prompt_tokenizers import (
+    EnginePromptTokenizer,
+    LocalPromptTokenizer,
+    TokenizePool,
+    TokenizerUnavailable,
+)
 from router.tokenization import ModelTokenizer, TokenizationError
 from router.tokenizer_registry import UnknownTokenizerError
 from tests.polling import wait_until
@@ -197,6 +202,16 @@ def test_engine_backend_matches_the_local_tokenizer_over_real_http() -> None:
                     await engine.token_ids("completion", refused, size_hint=0)
             finally:
                 pool.close()
+
+    run(main())
+
+
+def test_engine_backend_without_a_worker_to_ask_is_unavailable_not_a_guess() -> None:
+    async def main() -> None:
+        async with aiohttp.ClientSession() as session:
+            engine = EnginePromptTokenizer(MODEL, lambda _: [], lambda: session)
+            with pytest.raises(TokenizerUnavailable, match="no routable worker"):
+                await engine.token_ids("completion", {"prompt": "hi"}, size_hint=0)
 
     run(main())
 
