@@ -236,6 +236,9 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 
+_METAVARS = {"workers": "SPEC", "tokenizer_backends": "MODEL=BACKEND"}
+
+
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Add one flag per option (defaults suppressed so that unset flags fall through)."""
     parser.add_argument("--config", help="YAML or TOML config file (keys: the option names)")
@@ -250,7 +253,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         if opt.kind in ("workers", "mapping"):
             parser.add_argument(
                 flag,
-                metavar="SPEC" if opt.kind == "workers" else "MODEL=DIR",
+                metavar=_METAVARS.get(opt.name, "MODEL=DIR"),
                 dest=opt.name,
                 action="append",
                 help=text,

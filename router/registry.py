@@ -14,9 +14,9 @@ A worker's state:
 - ``down``: refused or failed checks, or suspect for too long: out of the index, its
   subscription stopped; it is re-probed and resynced from a snapshot when it answers.
 
-Invariant: a worker is in the index iff it is registered and ``healthy`` or ``suspect``;
-the moment it goes ``down`` or leaves discovery, ``index.remove_worker`` runs and its
-subscription stops.
+Invariant: a worker is in the index iff it is registered and ``healthy``, ``suspect``,
+or probed and waiting for its first snapshot (``mark_routable``); the moment it goes
+``down`` or leaves discovery, ``index.remove_worker`` runs and its subscription stops.
 """
 
 from __future__ import annotations
