@@ -19,7 +19,8 @@ from aiohttp import web
 
 from kvindex.index import PrefixIndex, WorkerId
 from router.errors import ApiError
-from router.fleet import Fleet, FleetWorker
+from router.registry import RegisteredWorker as FleetWorker
+from router.registry import WorkerRegistry as Fleet
 
 
 class Admin:

@@ -2,8 +2,8 @@
 
 Shared state lives under typed ``web.AppKey``s. Each resource has its own
 ``cleanup_ctx`` entry, so teardown is paired with setup and runs in reverse order:
-the client session, the pool of upstream connections for proxied requests, the event
-subscriptions, discovery, the health checker.
+the client session, the pool of upstream connections for proxied requests, the
+tokenizer threads, the event subscriptions, discovery, the prober.
 
 Middlewares: the error middleware first (every ``ApiError`` renders as OpenAI JSON),
 then ``router.auth`` (API keys -> ``TENANT_KEY``, the admin token on ``/admin/``), then
@@ -32,15 +32,17 @@ from router.config import RouterConfig
 from router.dashboard import add_dashboard
 from router.discovery import Discovery, discovery_from_config
 from router.errors import ApiError, error_middleware
-from router.fleet import Fleet, TokenizerRegistry
 from router.http_server import RouterRunner
 from router.lifecycle import Lifecycle
 from router.metrics import RouterMetrics
+from router.prober import Prober
 from router.proxy import Proxy
+from router.registry import WorkerRegistry
 from router.request_context import add_request_id_header
 from router.scheduling.registry import create_policy
 from router.scheduling.scheduler import Scheduler
 from router.subscriptions import SubscriptionManager
+from router.tokenizer_registry import TokenizerRegistry
 from router.tracing import RequestTracer
 from router.upstream_http import UpstreamPool, client_tls_context
 from router.worker_credentials import WorkerCredentials
@@ -49,7 +51,9 @@ log = logging.getLogger(__name__)
 
 CONFIG = web.AppKey("config", RouterConfig)
 INDEX = web.AppKey("index", PrefixIndex)
-FLEET = web.AppKey("fleet", Fleet)
+FLEET = web.AppKey("fleet", WorkerRegistry)
+PROBER = web.AppKey("prober", Prober)
+TOKENIZERS = web.AppKey("tokenizers", TokenizerRegistry)
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 METRICS = web.AppKey("metrics", RouterMetrics)
 PROXY = web.AppKey("proxy", Proxy)
@@ -81,8 +85,10 @@ def create_app(
         middlewares=[error_middleware, auth.middleware, *middlewares],
     )
     index = PrefixIndex()
-    tokenizers = TokenizerRegistry(config.tokenizers, config.default_tokenizer)
-    fleet = Fleet(config, index, tokenizers)
+    fleet = WorkerRegistry(config, index)
+    tokenizers = TokenizerRegistry(
+        config, endpoints=fleet.endpoints_of, session=lambda: app[SESSION]
+    )
     scheduler = Scheduler(
         index,
         create_policy(config.policy, config.policy_params),
@@ -116,6 +122,8 @@ def create_app(
     app[CONFIG] = config
     app[INDEX] = index
     app[FLEET] = fleet
+    app[PROBER] = Prober(config, fleet, tokenizers)
+    app[TOKENIZERS] = tokenizers
     app[SCHEDULER] = scheduler
     app[METRICS] = metrics
     app[PROXY] = proxy
@@ -127,6 +135,7 @@ def create_app(
         [
             _client_session,
             _upstream_pool,
+            _tokenizer_threads,
             _subscriptions,
             _discovery,
             _health_checker,
@@ -249,6 +258,11 @@ async def _upstream_pool(app: web.Application) -> AsyncIterator[None]:
         await pool.close()
 
 
+async def _tokenizer_threads(app: web.Application) -> AsyncIterator[None]:
+    yield
+    app[TOKENIZERS].close()
+
+
 async def _subscriptions(app: web.Application) -> AsyncIterator[None]:
     manager = SubscriptionManager(
         app[SESSION], app[INDEX], app[FLEET], app[METRICS], app[CONFIG].agent_token
@@ -285,10 +299,15 @@ def _tenant_reloads(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _health_checker(app: web.Application) -> AsyncIterator[None]:
-    fleet = app[FLEET]
+    prober = app[PROBER]
     session = app[SESSION]
-    await fleet.check_all(session)  # routable workers known before the first request
-    task = asyncio.create_task(fleet.run_health_checks(session), name="health-checks")
+    await prober.check_all(session)  # routable workers known before the first request
+    try:
+        prober.raise_config_errors()  # a served model without a tokenizer: refuse to start
+    except Exception:
+        await prober.close()
+        raise
+    task = asyncio.create_task(prober.run(session), name="health-checks")
     yield
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):

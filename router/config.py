@@ -8,7 +8,7 @@ text and bounds. ``OPTIONS``, the flags, env vars, file keys and ``kvroute route
 convert (``yes``/``no`` booleans included) or is out of bounds is an error naming the option.
 
 Worker specs (``--worker``) read
-``URL[,agent=URL][,id=NAME][,max_concurrency=N][,api_key_file=PATH]``.
+``URL[,agent=URL][,id=NAME][,max_concurrency=N][,api_key_file=PATH][,engine=NAME]``.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class WorkerSpec:
     # Metadata from discovery (e.g. model, gpu-kind from Kubernetes labels), sorted pairs.
     labels: tuple[tuple[str, str], ...] = ()
     api_key_file: str | None = None  # this worker's API key, when not the router-wide one
+    engine: str = "vllm"  # its adapter in router.engines (vllm, sim)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", self.url.rstrip("/"))
@@ -47,10 +48,13 @@ class WorkerSpec:
             object.__setattr__(self, "worker_id", self.url)
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"worker URL must start with http:// or https://: {self.url!r}")
+        from router.engines import engine_adapter
+
+        engine_adapter(self.engine)  # an unknown engine name fails here, naming the known
 
     @classmethod
     def parse(cls, text: str) -> WorkerSpec:
-        """``URL[,agent=URL][,id=NAME][,max_concurrency=N][,api_key_file=PATH]``."""
+        """``URL[,agent=URL][,id=NAME][,max_concurrency=N][,api_key_file=PATH][,engine=NAME]``."""
         url, *extras = [part.strip() for part in text.split(",") if part.strip()]
         kwargs: dict[str, Any] = {}
         for extra in extras:
@@ -65,6 +69,8 @@ class WorkerSpec:
                 kwargs["max_concurrency"] = int(value)
             elif key == "api_key_file":
                 kwargs["api_key_file"] = value
+            elif key == "engine":
+                kwargs["engine"] = value
             else:
                 raise ValueError(f"unknown worker option {key!r} (in {text!r})")
         return cls(url=url, **kwargs)
@@ -72,7 +78,10 @@ class WorkerSpec:
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> WorkerSpec:
         """A file entry: ``{url, agent_url?, id?, max_concurrency?}``."""
-        known = {"url", "agent_url", "agent", "id", "worker_id", "max_concurrency", "api_key_file"}
+        known = {
+            "url", "agent_url", "agent", "id", "worker_id", "max_concurrency",
+            "api_key_file", "engine",
+        }  # fmt: skip
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown worker keys {sorted(unknown)} in {dict(data)}")
@@ -83,6 +92,7 @@ class WorkerSpec:
             worker_id=str(data.get("id", data.get("worker_id", ""))),
             max_concurrency=None if cap is None else int(cap),
             api_key_file=data.get("api_key_file"),
+            engine=str(data.get("engine", "vllm")),
         )
 
 
@@ -124,7 +134,8 @@ class RouterConfig:
     )
     workers: list[WorkerSpec] = option(
         factory=list,
-        help="a worker: URL[,agent=URL][,id=NAME][,max_concurrency=N][,api_key_file=PATH]; "
+        help="a worker: URL[,agent=URL][,id=NAME][,max_concurrency=N][,api_key_file=PATH]"
+        "[,engine=vllm|sim]; "
         "repeat the flag, or comma-free ';'-separated in env",
     )
     workers_file: str | None = option(
@@ -153,11 +164,30 @@ class RouterConfig:
     )
     tokenizers: dict[str, str] = option(
         factory=dict,
-        help="tokenizer folder of a model: MODEL=DIR (repeatable); "
-        "shipped models (kvroute-tiny, kvroute-small) need none",
+        help="tokenizer folder of a model: MODEL=DIR (repeatable); a model whose worker "
+        "reports a local folder as its root (as the shipped models do) needs none",
     )
     default_tokenizer: str | None = option(
-        None, "tokenizer folder for models without one (default: the shipped tiny model's)"
+        None, "tokenizer folder for every model without one of its own (default: none)"
+    )
+    tokenizer_backends: dict[str, str] = option(
+        factory=dict,
+        help="tokenizer backend of a model: MODEL=local|engine (repeatable); engine: the "
+        "workers' own POST /tokenize, cached",
+    )
+    tokenizer_from_model_root: bool = option(
+        True,
+        "use the tokenizer files in the folder a worker reports as its model root "
+        "(vLLM's /v1/models 'root'), when that folder exists here",
+    )
+    unknown_model_routing: str = option(
+        "error",
+        "a served model without a tokenizer: error (refused at startup, worker not "
+        "routable) or load_only (routed by load, no prefix hits, counted in a metric)",
+        choices=("error", "load_only"),
+    )
+    tokenize_threads: int = option(
+        2, "threads that tokenize large prompts off the event loop", minimum=1
     )
     block_size: int | None = option(
         None,
@@ -254,9 +284,19 @@ class RouterConfig:
         "for load tests and debugging, off in production)",
     )
     health_interval_s: float = option(2.0, "seconds between worker health checks", minimum=0.01)
-    health_timeout_s: float = option(2.0, "timeout of one health check", minimum=0.001)
+    health_timeout_s: float = option(
+        2.0,
+        "a health check slower than this makes the worker suspect: no new requests, index kept",
+        minimum=0.001,
+    )
     unhealthy_after: int = option(
-        2, "failed health checks in a row before a worker is out", minimum=1
+        2, "refused or failed health checks in a row before a worker leaves the index", minimum=1
+    )
+    dead_after_s: float = option(
+        20.0,
+        "seconds a suspect worker (health checks slower than --health-timeout-s, no "
+        "request progress) keeps its index before it leaves it",
+        minimum=0.001,
     )
     sync_timeout_s: float = option(
         10.0,
@@ -374,6 +414,9 @@ def _help_of(opt: Option) -> str:
     return opt.help.format(policies=", ".join(POLICIES))
 
 
+_METAVARS = {"workers": "SPEC", "tokenizer_backends": "MODEL=BACKEND"}
+
+
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Add one flag per option (defaults suppressed so that unset flags fall through)."""
     parser.add_argument("--config", help="YAML or TOML config file (keys: the option names)")
@@ -389,7 +432,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         if opt.kind in ("workers", "mapping"):
             parser.add_argument(
                 flag,
-                metavar="SPEC" if opt.kind == "workers" else "MODEL=DIR",
+                metavar=_METAVARS.get(opt.name, "MODEL=DIR"),
                 dest=opt.name,
                 action="append",
                 help=text,

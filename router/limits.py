@@ -34,14 +34,18 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class ModelLimits:
-    vocab_size: int  # token ids must be below this
-    max_chars_per_token: int  # characters of the longest token in the vocabulary
+    vocab_size: int | None  # token ids must be below this (None: only the engine knows)
+    max_chars_per_token: int | None  # characters of the vocabulary's longest token
     max_model_len: int | None = None  # context length in tokens; None: not known
 
     def with_context(self, max_model_len: int | None) -> ModelLimits:
         if max_model_len == self.max_model_len:
             return self
         return replace(self, max_model_len=max_model_len)
+
+
+# A model tokenized by its engine (or routed by load alone): only the context is known.
+UNKNOWN_VOCABULARY = ModelLimits(vocab_size=None, max_chars_per_token=None)
 
 
 def model_limits(tokenizer: ModelTokenizer, model_dir: Path | None = None) -> ModelLimits:
@@ -85,7 +89,7 @@ def check_limits(
         )
     if parsed.kind == "completion":
         largest = max_token_id(parsed.body)
-        if largest is not None and largest >= limits.vocab_size:
+        if largest is not None and limits.vocab_size is not None and largest >= limits.vocab_size:
             raise bad_request(
                 f"Token id {largest} is out of vocabulary (the model has "
                 f"{limits.vocab_size} tokens).",
@@ -95,7 +99,9 @@ def check_limits(
         return
     length, unit = longest_prompt(parsed)
     per_token = max_chars_per_token or limits.max_chars_per_token
-    bound = context if unit == "tokens" else context * per_token
+    if unit != "tokens" and per_token is None:
+        return  # the engine tokenizes (no vocabulary here): it checks the length itself
+    bound = context if unit == "tokens" else context * (per_token or 1)
     if length > bound:
         what = "prompt" if parsed.kind == "completion" else "messages"
         detail = "" if unit == "tokens" else f" (at most {bound} characters can fit)"

@@ -150,6 +150,12 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        self.without_prefix_info = Counter(
+            _PREFIX + "requests_without_prefix_info",
+            "Requests routed by load alone: their model has no tokenizer (load_only)",
+            ["model"],
+            registry=r,
+        )
         self.events_applied = Counter(
             _PREFIX + "events_applied",
             "KV events applied to the index, by worker",

@@ -6,7 +6,9 @@ Life of one request (``Proxy.handle``):
    408), parse and type-check it (400), check the model is served (404; 503 when only
    unhealthy workers serve it) and the request fits the model's limits
    (``router.limits``: 400 before any tokenization);
-2. tokenize exactly as the engine will (``ModelTokenizer``), build a ``RoutingRequest``;
+2. tokenize exactly as the engine will (the model's ``PromptTokenizer``: large prompts
+   off the event loop; a model in load-only mode has no token ids and is routed by
+   load), build a ``RoutingRequest``;
 3. ``scheduler.pick`` through the ``AdmissionQueue``, in the lane of the request's
    (model, LoRA) and as its tenant (wait, or 429 with Retry-After);
 4. forward the body unchanged except router-owned fields (``stream_options.include_usage``
@@ -36,7 +38,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -44,10 +46,11 @@ from kvindex.index import WorkerId
 from router.admission import AdmissionQueue
 from router.cache_report import CacheReporter
 from router.config import RouterConfig, WorkerSpec
-from router.errors import ApiError, bad_request, model_not_found, request_timeout
-from router.fleet import Fleet, FleetWorker, TokenizerRegistry
-from router.limits import ModelLimits, check_limits, model_limits
+from router.errors import ApiError, model_not_found, request_timeout
+from router.limits import UNKNOWN_VOCABULARY, ModelLimits, check_limits, model_limits
 from router.metrics import RouterMetrics
+from router.prompt_tokenizers import LocalPromptTokenizer, TokenizerUnavailable
+from router.registry import RegisteredWorker, WorkerRegistry
 from router.request_context import RequestContext, forwardable, request_context
 from router.request_log import REQUEST_RECORD, RequestRecord, log_request
 from router.requests import ParsedRequest, RequestKind, first_prompt, parse_request
@@ -55,7 +58,8 @@ from router.scheduling.scheduler import Scheduler
 from router.scheduling.types import Decision, RoutingRequest
 from router.tenant_limits import TenantLease
 from router.tenants import Tenant
-from router.tokenization import ModelTokenizer, TokenizationError
+from router.tokenization import TokenizationError
+from router.tokenizer_registry import TokenizerRegistry
 from router.tracing import RequestTracer, inject_trace_context
 from router.upstream import WORKER_HEADER, Attempt, RetryableError, first_byte_timeout_s, forward
 from router.upstream_http import UpstreamPool
@@ -101,7 +105,7 @@ class _Outcome:
 @dataclass(slots=True)
 class Proxy:
     config: RouterConfig
-    fleet: Fleet
+    fleet: WorkerRegistry
     scheduler: Scheduler
     tokenizers: TokenizerRegistry
     metrics: RouterMetrics
@@ -157,7 +161,7 @@ class Proxy:
         check_limits(parsed, limits, self.config.max_n, self.config.max_chars_per_token)
         tenant = self._apply_tenant(request, parsed)
         started_ns = time.time_ns()
-        routing = self._routing_request(parsed)
+        routing = await self._routing_request(parsed, len(raw))
         record.tokenize_ns = (started_ns, time.time_ns())
         if parsed.stream and not parsed.client_wants_usage:
             options = dict(parsed.body.get("stream_options") or {})
@@ -246,7 +250,11 @@ class Proxy:
         loaded once; context length as workers report it, so not memoised)."""
         limits = self.model_to_limits.get(model)
         if limits is None:
-            limits = model_limits(self.tokenizers.get(model), self.tokenizers.dir_of(model))
+            tokenizer = self.tokenizers.get(model)
+            if isinstance(tokenizer, LocalPromptTokenizer):
+                limits = model_limits(tokenizer.tokenizer, tokenizer.tokenizer.path)
+            else:
+                limits = UNKNOWN_VOCABULARY
             self.model_to_limits[model] = limits
         return limits.with_context(self.fleet.model_to_max_model_len.get(model))
 
@@ -264,16 +272,19 @@ class Proxy:
         self.metrics.rejected.labels(reason="unknown_model").inc()
         raise model_not_found(model)
 
-    def _routing_request(self, parsed: ParsedRequest) -> RoutingRequest:
+    async def _routing_request(self, parsed: ParsedRequest, size: int) -> RoutingRequest:
         start = time.perf_counter()
         model = parsed.model
         base_model = self._base_model_of_lora(model)
-        tokenizer = self.tokenizers.get(base_model or model)
         body = parsed.body
         try:
-            token_ids = _token_ids(tokenizer, parsed)
+            token_ids = await self._token_ids(base_model or model, parsed, size)
         except ApiError:
             raise
+        except TokenizerUnavailable as exc:
+            raise ApiError(
+                503, f"Could not tokenize the request: {exc}", headers={"Retry-After": "1"}
+            ) from None
         except TokenizationError as exc:
             raise ApiError(400, f"Could not tokenize the request: {exc}", param=exc.param) from None
         except Exception as exc:  # template or tokenizer errors on client input
@@ -299,6 +310,21 @@ class Proxy:
             self.cache_report.offer(
                 tenant, routing.cache_salt, routing.model, routing.prompt_token_ids, block_size
             )
+
+    async def _token_ids(self, model: str, parsed: ParsedRequest, size: int) -> list[int]:
+        """The prompt token ids the engine will see ([]: routed by load alone)."""
+        body = parsed.body
+        if parsed.kind == "completion":
+            prompt = first_prompt(body["prompt"])
+            if not isinstance(prompt, str):
+                # NOTE: parse_request validated the ids; checking them again per token
+                # here cost about 1 ms per 8K-token prompt.
+                return prompt
+        tokenizer = self.tokenizers.get(model)
+        if tokenizer is None:  # load_only: no tokenizer configured for this model
+            self.metrics.without_prefix_info.labels(model=model).inc()
+            return []
+        return await tokenizer.token_ids(parsed.kind, body, size_hint=size)
 
     def _base_model_of_lora(self, model: str) -> str | None:
         """The base model a LoRA adapter runs on (None: ``model`` is not a LoRA)."""
@@ -434,7 +460,7 @@ class Proxy:
                 )
         return context.worker_header_lines(authorization)
 
-    def _still_routable(self, worker_id: WorkerId, worker: FleetWorker | None) -> bool:
+    def _still_routable(self, worker_id: WorkerId, worker: RegisteredWorker | None) -> bool:
         return (
             worker is not None
             and worker.view.healthy
@@ -463,6 +489,7 @@ class Proxy:
             )  # fmt: skip
 
     def _on_first_token(self, attempt: Attempt) -> None:
+        self.fleet.note_alive(attempt.decision.worker_id)
         self.scheduler.on_first_token(attempt.decision, attempt.ttft_s or 0.0)
 
     def _finish(self, attempt: Attempt, *, ok: bool) -> None:
@@ -473,6 +500,7 @@ class Proxy:
         worker = decision.worker_id
         cached = attempt.cached_tokens
         if ok:
+            self.fleet.note_alive(worker)
             self._record_ok(attempt)
         if self.scheduler.on_finish(decision, num_cached_tokens=cached, ok=ok):
             self.resync(worker, "drift")
@@ -495,26 +523,3 @@ class Proxy:
             m.actual_cached.inc(attempt.cached_tokens)
             m.cached_drift.observe(attempt.cached_tokens - decision.predicted_cached_tokens)
             self.hits.cached_tokens += attempt.cached_tokens
-
-
-def _token_ids(tokenizer: ModelTokenizer, parsed: ParsedRequest) -> list[int]:
-    """The prompt token ids the engine will see, with vLLM's per-endpoint defaults."""
-    body = parsed.body
-    if parsed.kind == "completion":
-        add_special_tokens = _flag(body, "add_special_tokens", default=True)
-        prompt = first_prompt(body["prompt"])
-        if not isinstance(prompt, str):
-            # NOTE: parse_request validated the ids; checking them again per token
-            # here cost about 1 ms per 8K-token prompt.
-            return prompt
-        return tokenizer.completion_token_ids(prompt, add_special_tokens=add_special_tokens)
-    # NOTE: one place merges chat_template_kwargs under the request's own fields, as
-    # vLLM does; passing both as keyword arguments here collided on shared names.
-    return tokenizer.chat_request_token_ids(body)
-
-
-def _flag(body: dict[str, Any], key: str, *, default: bool) -> bool:
-    value = body.get(key, default)
-    if not isinstance(value, bool):
-        raise bad_request(f"Invalid type for '{key}': expected a boolean.", key)
-    return value

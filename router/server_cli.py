@@ -17,7 +17,7 @@ import uvloop
 from router.app import LIFECYCLE, create_app, start_server
 from router.config import RouterConfig, configure_parser, load_config
 from router.request_log import configure_logging
-from router.tenants import TenantConfigError
+from router.tokenizer_registry import UnknownTokenizerError
 
 EPILOG = """\
 precedence: flags > KVROUTE_* env vars > --config file > defaults.
@@ -48,12 +48,12 @@ def run(args: argparse.Namespace) -> int:
     if not config.workers and not config.workers_file:
         print("kvroute router: no workers (--worker or --workers-file)", file=sys.stderr)
         return 2
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        try:
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             runner.run(serve(config))
-        except TenantConfigError as exc:  # a bad tenants file or secret, found at startup
-            print(f"kvroute router: {exc}", file=sys.stderr)
-            return 2
+    except (UnknownTokenizerError, ValueError, OSError) as exc:  # configuration, at startup
+        print(f"kvroute router: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -32,8 +32,9 @@ from kvindex.agent_protocol import Epoch, LoadReport, StreamSeq
 from kvindex.index_types import Index, WorkerId
 from kvindex.protocol import BlockStored, EventBatch
 from router.agent_client import AgentClient
-from router.fleet import Fleet, FleetWorker
 from router.metrics import RouterMetrics
+from router.registry import RegisteredWorker as FleetWorker
+from router.registry import WorkerRegistry as Fleet
 from router.zmq_subscription import ZmqSubscription
 
 log = logging.getLogger(__name__)
@@ -187,7 +188,13 @@ class SubscriptionManager:
                 if worker.spec.agent_url is not None:
                     await self._run_agent(worker.spec.agent_url, feed)
                 else:
-                    await ZmqSubscription(self._session, self._zmq, worker.spec.url, feed).run()
+                    await ZmqSubscription(
+                        self._session,
+                        self._zmq,
+                        worker.spec.url,
+                        feed,
+                        worker.engine.kv_event_sources_path,
+                    ).run()
                 attempt = 0
             except asyncio.CancelledError:
                 raise

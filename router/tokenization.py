@@ -56,6 +56,8 @@ from router.chat_messages import (
 __all__ = ["ModelTokenizer", "TokenizationError"]
 
 
+_GIL_RELEASE_MIN_CHARS = 4096  # shorter texts encode in microseconds, GIL or not
+
 _SPECIAL_TOKEN_ATTRIBUTES = (
     "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"
 )  # fmt: skip
@@ -215,7 +217,12 @@ class ModelTokenizer:
         return list(prompt)
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        # NOTE: ``encode_batch`` releases the GIL while the Rust tokenizer runs, ``encode``
+        # holds it; a long text encoded on a worker thread must not stall the event loop.
+        if len(text) < _GIL_RELEASE_MIN_CHARS:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        (encoding,) = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(encoding.ids)
 
     def chat_token_ids(
         self,

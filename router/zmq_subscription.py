@@ -83,10 +83,12 @@ class ZmqSubscription:
         context: zmq.asyncio.Context,
         engine_url: str,
         feed: EventFeed,
+        sources_path: str = "/kv_event_sources",
     ) -> None:
         self._session = session
         self._context = context
         self._engine_url = engine_url
+        self._sources_path = sources_path  # the engine adapter's, e.g. vLLM's
         self._feed = feed
         self._tracker = SequenceTracker()
         self._replay_endpoint: str | None = None
@@ -216,7 +218,7 @@ class ZmqSubscription:
 
     async def _sources(self) -> tuple[str, str | None, str] | None:
         url = self._engine_url
-        async with self._session.get(url + "/kv_event_sources") as resp:
+        async with self._session.get(url + self._sources_path) as resp:
             resp.raise_for_status()
             sources = await resp.json()
         if not sources:

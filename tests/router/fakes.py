@@ -24,6 +24,7 @@ from aiohttp import web
 
 from router.app import create_app, start_server
 from router.config import RouterConfig, WorkerSpec
+from worker.models import model_dir
 
 MODEL = "kvroute-tiny"
 BLOCK_SIZE = 32
@@ -87,7 +88,13 @@ class FakeWorker:
         return web.json_response(info)
 
     async def _models(self, request: web.Request) -> web.Response:
-        card: dict[str, Any] = {"id": self.behaviour.model, "object": "model", "parent": None}
+        # root: the model folder, as vLLM reports it (the router finds the tokenizer there)
+        card: dict[str, Any] = {
+            "id": self.behaviour.model,
+            "object": "model",
+            "parent": None,
+            "root": str(model_dir("tiny")),
+        }
         if self.behaviour.max_model_len is not None:
             card["max_model_len"] = self.behaviour.max_model_len
         data = [card]

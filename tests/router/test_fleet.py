@@ -1,4 +1,5 @@
-"""Fleet state: probes, health checks and discovery keep the index in step with the fleet."""
+"""Worker registry and prober: probes, health checks and discovery keep the index in step
+with the fleet."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from router.app import FLEET, INDEX, SESSION, create_app, start_server
+from router.app import FLEET, INDEX, PROBER, SESSION, create_app, start_server
 from router.config import WorkerSpec
-from router.fleet import PROVISIONAL_BLOCK_SIZE
+from router.registry import PROVISIONAL_BLOCK_SIZE
 from tests.polling import wait_until
 from tests.router.fakes import (
     BLOCK_SIZE,
@@ -38,12 +39,12 @@ def test_probe_registers_namespace_and_unhealthy_worker_leaves_the_index_at_once
             assert view.namespace.block_size == BLOCK_SIZE
             assert view.namespace.model == MODEL
             await a.stop()
-            await fleet.check_all(app[SESSION])
+            await app[PROBER].check_all(app[SESSION])
             assert a.url in index.workers()  # one failure is tolerated
-            await fleet.check_all(app[SESSION])
+            await app[PROBER].check_all(app[SESSION])
             assert index.workers() == [b.url]
             assert not view.healthy
-            await fleet.check_all(app[SESSION])  # stays out while down
+            await app[PROBER].check_all(app[SESSION])  # stays out while down
             assert index.workers() == [b.url]
 
     run(main())
@@ -55,10 +56,10 @@ def test_worker_comes_back_after_recovery() -> None:
             fake_workers(FakeBehaviour()) as (a,),
             running_router(router_config([a], unhealthy_after=1)) as (app, _),
         ):
-            fleet, index = app[FLEET], app[INDEX]
+            index = app[INDEX]
             app_a = a.app()
             await a.stop()
-            await fleet.check_all(app[SESSION])
+            await app[PROBER].check_all(app[SESSION])
             assert index.workers() == []
             # same port again: the worker is back
             from aiohttp import web
@@ -68,7 +69,7 @@ def test_worker_comes_back_after_recovery() -> None:
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", port).start()
             try:
-                await fleet.check_all(app[SESSION])
+                await app[PROBER].check_all(app[SESSION])
                 assert index.workers() == [a.url]
             finally:
                 await runner.cleanup()
@@ -109,10 +110,10 @@ def test_worker_waits_for_its_agent_to_finish_the_first_sync() -> None:
             runner, _ = await start_server(app, "127.0.0.1", 0)
             try:
                 fleet = app[FLEET]
-                await fleet.check_all(app[SESSION])
+                await app[PROBER].check_all(app[SESSION])
                 assert not fleet.views()[0].healthy  # a partial snapshot would mislead
                 worker.behaviour.agent_ready = True
-                await fleet.check_all(app[SESSION])
+                await app[PROBER].check_all(app[SESSION])
                 # no stream to snapshot from here: routed after sync_timeout_s anyway
                 assert fleet.views()[0].healthy
             finally:

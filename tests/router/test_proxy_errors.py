@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
 import pytest
 
-from router.proxy import _token_ids
+from router.proxy import Proxy
 from router.requests import parse_request
 from tests.router.fakes import (
     MODEL,
@@ -227,16 +229,18 @@ def test_chat_template_kwargs_that_name_request_fields_never_crash(
     run(main())
 
 
-class _NoTokenizer:
-    """Fails if the proxy re-validates a token-id prompt through the tokenizer."""
+class _NoTokenizers:
+    """Fails if the proxy sends a token-id prompt through a tokenizer."""
 
-    def completion_token_ids(self, *args: object, **kwargs: object) -> list[int]:
-        raise AssertionError("token ids were validated a second time")
+    def get(self, model: str) -> None:
+        raise AssertionError("token ids went through a tokenizer")
 
 
 def test_token_id_prompts_are_validated_once_at_parse_time() -> None:
     ids = list(range(20, 8212))
+    proxy = SimpleNamespace(tokenizers=_NoTokenizers())
     for prompt in (ids, [ids, [5]]):
         raw = json.dumps({"model": MODEL, "prompt": prompt}).encode()
         parsed = parse_request("completion", raw, None)
-        assert _token_ids(_NoTokenizer(), parsed) == ids  # type: ignore[arg-type]
+        token_ids = asyncio.run(Proxy._token_ids(proxy, MODEL, parsed, len(raw)))  # type: ignore[arg-type]
+        assert token_ids == ids

@@ -21,6 +21,7 @@ from tests.router.fakes import (
     run,
     running_router,
 )
+from worker.models import model_dir
 
 UNARY_BODY = {"model": MODEL, "prompt": "hello world " * 8, "max_tokens": 3}
 STREAM_BODY = {**UNARY_BODY, "stream": True}
@@ -33,7 +34,12 @@ _GET_ANSWERS: dict[str, tuple[str, bytes]] = {
     "/kv_event_sources": ("application/json", b"{}"),
     "/v1/models": (
         "application/json",
-        json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode(),
+        json.dumps(
+            {
+                "object": "list",
+                "data": [{"id": MODEL, "object": "model", "root": str(model_dir("tiny"))}],
+            }
+        ).encode(),
     ),
     "/metrics": (
         "text/plain",

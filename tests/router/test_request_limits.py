@@ -14,9 +14,9 @@ import pytest
 
 from router.config import RouterConfig
 from router.errors import ApiError
-from router.fleet import TokenizerRegistry
 from router.limits import check_limits, model_limits
 from router.requests import parse_request
+from router.tokenization import ModelTokenizer
 from tests.router.fakes import (
     MODEL,
     FakeBehaviour,
@@ -26,6 +26,7 @@ from tests.router.fakes import (
     running_router,
 )
 from tests.router.simfleet import BLOCK_SIZE, sim_fleet
+from worker.models import model_dir
 
 CONTEXT = 64  # the fake worker's max_model_len
 TINY_VOCAB = 320  # kvroute-tiny's vocabulary
@@ -33,8 +34,8 @@ TINY_LONGEST_TOKEN = 15  # characters of its longest token
 
 
 def _tiny_limits() -> Any:
-    registry = TokenizerRegistry({}, None)
-    return model_limits(registry.get(MODEL), registry.dir_of(MODEL))
+    tokenizer = ModelTokenizer.from_dir(model_dir("tiny"))
+    return model_limits(tokenizer, tokenizer.path)
 
 
 def test_model_limits_come_from_the_vocabulary() -> None:

@@ -18,7 +18,7 @@ from kvindex.index_types import WorkerId
 from kvindex.protocol import BlockStored, EventBatch
 from router.app import FLEET, INDEX
 from router.config import RouterConfig, WorkerSpec
-from router.fleet import PROVISIONAL_BLOCK_SIZE
+from router.registry import PROVISIONAL_BLOCK_SIZE
 from router.zmq_subscription import ZmqSubscription
 from tests.polling import wait_until
 from tests.router.fakes import run, running_router

@@ -2,7 +2,9 @@
 
 Endpoints as vLLM's OpenAI server has them: ``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/models``, ``/tokenize``, ``/health``, ``/metrics``,
-``/kv_event_sources``, ``POST /reset_prefix_cache``, ``/version``. The ZMQ sockets
+``/kv_event_sources``, ``POST /reset_prefix_cache``, ``/version``, and
+``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (allowed without vLLM's
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING``: the simulator has no weights to protect). The ZMQ sockets
 bind when the app is created, so ``app[SIM_STATE].publisher`` already knows its
 ports (``kvroute worker --engine sim`` hands them to the agent); the engine loop and
 the replay server start with the app and stop with it (one ``cleanup_ctx`` entry).
@@ -47,6 +49,7 @@ from worker.sim.timing import DEFAULT_GPU_PROFILE, get_gpu_profile
 from worker.sim.tokenizer import SimTokenizer
 
 SIM_VERSION = "0.32.0+kvroute.sim"
+MAX_LORAS = 64  # bounds the adapter table (vLLM: --max-loras / --max-cpu-loras)
 FILLER_TEXT = (
     "The quick brown fox jumps over the lazy dog while the simulated engine keeps "
     "counting tokens and timing steps. "
@@ -175,6 +178,8 @@ def create_sim_app(config: SimConfig) -> web.Application:
     app.router.add_get("/kv_event_sources", _kv_event_sources)
     app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
     app.router.add_get("/version", _version)
+    app.router.add_post("/v1/load_lora_adapter", _load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", _unload_lora_adapter)
     return app
 
 
@@ -211,7 +216,7 @@ def _error_response(error: ApiError) -> web.Response:
 
 
 def _check_model(state: SimState, model: str | None) -> None:
-    if model and model != state.served_model_name:
+    if model and model != state.served_model_name and model not in state.serving.lora_paths:
         raise model_not_found(model, state.served_model_name)
 
 
@@ -273,11 +278,44 @@ async def _models(request: web.Request) -> web.Response:
         "object": "model",
         "created": int(time.time()),
         "owned_by": "vllm",
-        "root": state.served_model_name,
+        "root": str(state.config.model.resolve()),  # vLLM: the --model folder or hub id
         "parent": None,
         "max_model_len": state.max_model_len,
     }
-    return web.json_response({"object": "list", "data": [card]})
+    loras = [
+        {"id": name, "object": "model", "created": card["created"], "owned_by": "vllm",
+         "root": path, "parent": state.served_model_name, "max_model_len": None}
+        for name, path in state.serving.lora_paths.items()
+    ]  # fmt: skip
+    return web.json_response({"object": "list", "data": [card, *loras]})
+
+
+class _LoraRequest(msgspec.Struct, kw_only=True):
+    lora_name: str
+    lora_path: str = ""
+
+
+async def _load_lora_adapter(request: web.Request) -> web.Response:
+    """vLLM's answers: 200 with a plain-text line, 400 when the name is taken."""
+    state = request.app[SIM_STATE]
+    body = decode_request(await request.read(), _LoraRequest)
+    loras = state.serving.lora_paths
+    if body.lora_name in loras or body.lora_name == state.served_model_name:
+        raise ApiError(400, f"The lora adapter '{body.lora_name}' has already been loaded.",
+                       param="lora_name")  # fmt: skip
+    if len(loras) >= MAX_LORAS:
+        raise ApiError(400, f"At most {MAX_LORAS} LoRA adapters can be loaded.", param="lora_name")
+    loras[body.lora_name] = body.lora_path
+    return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+async def _unload_lora_adapter(request: web.Request) -> web.Response:
+    state = request.app[SIM_STATE]
+    body = decode_request(await request.read(), _LoraRequest)
+    if state.serving.lora_paths.pop(body.lora_name, None) is None:
+        raise ApiError(404, f"The lora adapter '{body.lora_name}' cannot be found.",
+                       "NotFoundError", param="lora_name")  # fmt: skip
+    return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
 async def _health(request: web.Request) -> web.Response:

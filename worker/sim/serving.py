@@ -46,6 +46,10 @@ class ServingContext:
     block_size: int
     none_hash: int
     token_text: list[str] = field(default_factory=list)  # token id -> decoded text
+    # LoRA adapters loaded at run time (POST /v1/load_lora_adapter): name -> path.
+    # NOTE: the simulator has no weights; an adapter only names a KV namespace (its
+    # blocks are stored with its name, as vLLM's are) and a model id requests may use.
+    lora_paths: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -120,6 +124,7 @@ def start_job(
                 block_size=ctx.block_size,
                 none_hash=ctx.none_hash,  # type: ignore[arg-type]
                 cache_salt=request.cache_salt,
+                lora_name=request.model if request.model in ctx.lora_paths else None,
                 arrival_time=time.monotonic(),
             )
             index = prompt_index * request.n + sample
