@@ -32,9 +32,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from worker.models import model_dir, served_model_name
+from worker.vllm_launch import zmq_bind_endpoint
 
 BLOCK_SIZE = 32
 KV_TOPIC = "kv"
+LOOPBACK = "127.0.0.1"
 STARTUP_TIMEOUT_S = 600.0  # 80-100 s alone; much longer when two start on 2 busy cores
 STOP_TIMEOUT_S = 30.0
 
@@ -57,13 +59,13 @@ def free_port() -> int:
 
 
 def kv_events_config(zmq_port: int, replay_port: int, topic: str = KV_TOPIC) -> str:
-    """vLLM's ``--kv-events-config`` JSON; ``*`` makes the publisher bind."""
+    """vLLM's ``--kv-events-config`` JSON: both sockets bound on 127.0.0.1 only."""
     return json.dumps(
         {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://*:{zmq_port}",
-            "replay_endpoint": f"tcp://*:{replay_port}",
+            "endpoint": zmq_bind_endpoint(LOOPBACK, zmq_port),
+            "replay_endpoint": zmq_bind_endpoint(LOOPBACK, replay_port),
             "topic": topic,
         }
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import os
 import signal
@@ -48,6 +49,7 @@ class VllmLaunchConfig:
     zmq_port: int
     replay_port: int
     host: str = "127.0.0.1"
+    events_host: str = "127.0.0.1"  # where the KV event PUB and replay sockets bind
     served_model_name: str | None = None
     topic: str = "kv"
     block_size: int = 32
@@ -102,14 +104,51 @@ def fitting_max_model_len(config: VllmLaunchConfig, model: str) -> int | None:
     return capacity if 0 < capacity < declared else None
 
 
+WILDCARD_HOSTS = ("", "*", "0.0.0.0", "::")
+
+
+def zmq_bind_endpoint(host: str, port: int) -> str:
+    """A ``tcp://`` endpoint that vLLM's ``ZmqEventPublisher`` binds on ``host`` only.
+
+    NOTE: vLLM's publisher binds its PUB socket only when the endpoint contains ``*`` or
+    ``::`` and *connects* otherwise, so ``tcp://127.0.0.1:5557`` would make the engine
+    dial out instead of listening. An IPv4 host is therefore written in its IPv4-mapped
+    IPv6 form, ``tcp://[::ffff:127.0.0.1]:5557``: it contains ``::`` (vLLM binds) and
+    libzmq binds it to the IPv4 address itself, even without ``ZMQ_IPV6`` (the replay
+    socket, which vLLM always binds, takes the same form). A wildcard host binds every
+    interface (``tcp://*:PORT``); a host name is resolved to its first IPv4 address.
+    Other IPv6 addresses are refused: vLLM does not enable ``ZMQ_IPV6`` on its sockets.
+    """
+    if host in WILDCARD_HOSTS:
+        return f"tcp://*:{port}"
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        address = ipaddress.ip_address(_resolve_ipv4(host))
+    if address.version == 6:
+        raise ValueError(
+            f"KV events host {host!r}: vLLM's publisher cannot bind an IPv6 address; "
+            "give an IPv4 address (or 0.0.0.0 for every interface)"
+        )
+    return f"tcp://[::ffff:{address}]:{port}"
+
+
+def _resolve_ipv4(host: str) -> str:
+    try:
+        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ValueError(f"KV events host {host!r} does not resolve to IPv4: {exc}") from exc
+    return str(infos[0][4][0])
+
+
 def kv_events_config(config: VllmLaunchConfig) -> str:
-    # NOTE: vLLM's publisher binds only when the endpoint contains '*'.
+    """vLLM's ``--kv-events-config``: PUB and replay sockets bound on ``events_host``."""
     return json.dumps(
         {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://*:{config.zmq_port}",
-            "replay_endpoint": f"tcp://*:{config.replay_port}",
+            "endpoint": zmq_bind_endpoint(config.events_host, config.zmq_port),
+            "replay_endpoint": zmq_bind_endpoint(config.events_host, config.replay_port),
             "topic": config.topic,
         }
     )

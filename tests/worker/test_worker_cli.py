@@ -111,8 +111,9 @@ def test_command_has_every_flag_kvroute_relies_on() -> None:
         assert flag in joined, flag  # fmt: skip
     events = json.loads(command[command.index("--kv-events-config") + 1])
     assert events == {
-        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5001",
-        "replay_endpoint": "tcp://*:5002", "topic": "kv",
+        "enable_kv_cache_events": True, "publisher": "zmq",
+        "endpoint": "tcp://[::ffff:127.0.0.1]:5001",  # binds 127.0.0.1 only
+        "replay_endpoint": "tcp://[::ffff:127.0.0.1]:5002", "topic": "kv",
     }  # fmt: skip
     assert command[-2:] == ["--max-num-seqs", "4"]
     fitted = build_command(VllmLaunchConfig(model="tiny", port=1, zmq_port=2, replay_port=3,

@@ -1,0 +1,155 @@
+"""KV event ports bind the worker's host only: the events carry prompt token ids.
+
+Checked three ways: which address the listening socket has in ``/proc/net/tcp`` (works
+on a loopback-only machine), whether a connection to the port on a non-loopback address
+of this machine is refused (when it has one), and, for vLLM, through vLLM's own
+``ZmqEventPublisher`` given the endpoints ``kvroute worker`` passes (it binds only some
+endpoint forms and *connects* to the rest).
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import fcntl
+import ipaddress
+import json
+import signal
+import socket
+import struct
+from pathlib import Path
+
+import pytest
+import zmq
+
+from tests.engines import free_port
+from tests.worker.test_worker_cli import WorkerProcess
+from worker.sim.events import KVEventPublisher
+from worker.vllm_launch import VllmLaunchConfig, kv_events_config, zmq_bind_endpoint
+
+SIOCGIFADDR = 0x8915
+
+
+def listening_addresses(port: int) -> set[str]:
+    """IPv4 addresses with a TCP socket listening on ``port`` (from ``/proc/net/tcp``)."""
+    addresses = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        hex_address, hex_port = local.split(":")
+        if state == "0A" and int(hex_port, 16) == port:
+            packed = int(hex_address, 16).to_bytes(4, "little")
+            addresses.add(str(ipaddress.IPv4Address(packed)))
+    return addresses
+
+
+def non_loopback_ipv4() -> str | None:
+    """An IPv4 address of one of this machine's non-loopback interfaces, if any."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            request = array.array("B", struct.pack("256s", name.encode()[:15]))
+            try:
+                fcntl.ioctl(probe.fileno(), SIOCGIFADDR, request)
+            except OSError:  # interface down or without an IPv4 address
+                continue
+            address = socket.inet_ntoa(request.tobytes()[20:24])
+            if not ipaddress.IPv4Address(address).is_loopback:
+                return address
+    return None
+
+
+def assert_only_loopback(port: int) -> None:
+    assert listening_addresses(port) == {"127.0.0.1"}, listening_addresses(port)
+    outside = non_loopback_ipv4()
+    if outside is not None:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((outside, port), timeout=5).close()
+
+
+def test_bind_endpoint_forms() -> None:
+    # vLLM binds only endpoints with '*' or '::'; the IPv4-mapped form has '::'.
+    assert zmq_bind_endpoint("127.0.0.1", 5557) == "tcp://[::ffff:127.0.0.1]:5557"
+    assert zmq_bind_endpoint("localhost", 5557) == "tcp://[::ffff:127.0.0.1]:5557"
+    for wildcard in ("0.0.0.0", "*", "", "::"):
+        assert zmq_bind_endpoint(wildcard, 1) == "tcp://*:1"
+    with pytest.raises(ValueError, match="IPv6"):
+        zmq_bind_endpoint("::1", 5557)
+    with pytest.raises(ValueError, match="does not resolve"):
+        zmq_bind_endpoint("no-such-host.invalid", 5557)
+    config = VllmLaunchConfig(model="tiny", port=1, zmq_port=5001, replay_port=5002)
+    events = json.loads(kv_events_config(config))
+    assert events["endpoint"] == "tcp://[::ffff:127.0.0.1]:5001"
+    assert events["replay_endpoint"] == "tcp://[::ffff:127.0.0.1]:5002"
+
+
+def test_mapped_endpoint_binds_the_ipv4_address_without_zmq_ipv6() -> None:
+    context = zmq.Context()
+    sock = context.socket(zmq.PUB)
+    try:
+        sock.bind(zmq_bind_endpoint("127.0.0.1", 0).removesuffix(":0") + ":*")
+        endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        assert endpoint.startswith("tcp://127.0.0.1:")
+        assert_only_loopback(int(endpoint.rsplit(":", 1)[1]))
+    finally:
+        sock.close(linger=0)
+        context.term()
+
+
+def test_sim_publisher_binds_loopback_by_default() -> None:
+    async def check() -> None:
+        publisher = KVEventPublisher()
+        try:
+            assert publisher.replay_port is not None
+            assert_only_loopback(publisher.port)
+            assert_only_loopback(publisher.replay_port)
+        finally:
+            await publisher.close()
+
+    asyncio.run(check())
+
+
+def test_sim_worker_events_bind_the_worker_host(tmp_path: Path) -> None:
+    zmq_port, replay_port = free_port(), free_port()
+    worker = WorkerProcess(
+        ["--engine", "sim", "--model", "tiny", "--port", str(free_port()), "--no-agent",
+         "--zmq-port", str(zmq_port), "--replay-port", str(replay_port)],
+        tmp_path / "worker.log",
+    )  # fmt: skip
+    try:
+        line = worker.wait_ready(timeout=60)
+        assert f"events tcp://127.0.0.1:{zmq_port} replay tcp://127.0.0.1:{replay_port}" in line
+        assert_only_loopback(zmq_port)
+        assert_only_loopback(replay_port)
+        worker.process.send_signal(signal.SIGTERM)
+        assert worker.process.wait(timeout=30) == 0
+    finally:
+        worker.close()
+
+
+def test_explicit_wildcard_events_host_binds_every_interface(tmp_path: Path) -> None:
+    zmq_port = free_port()
+    worker = WorkerProcess(
+        ["--engine", "sim", "--model", "tiny", "--port", str(free_port()), "--no-agent",
+         "--events-host", "0.0.0.0", "--zmq-port", str(zmq_port), "--replay-port", "0"],
+        tmp_path / "worker.log",
+    )  # fmt: skip
+    try:
+        assert f"events tcp://127.0.0.1:{zmq_port}" in worker.wait_ready(timeout=60)
+        assert listening_addresses(zmq_port) == {"0.0.0.0"}
+    finally:
+        worker.close()
+
+
+@pytest.mark.vllm
+def test_vllm_publisher_binds_the_endpoints_kvroute_passes() -> None:
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    zmq_port, replay_port = free_port(), free_port()
+    config = VllmLaunchConfig(model="tiny", port=1, zmq_port=zmq_port, replay_port=replay_port)
+    events = json.loads(kv_events_config(config))
+    publisher = kv_events.ZmqEventPublisher(
+        0, endpoint=events["endpoint"], replay_endpoint=events["replay_endpoint"]
+    )
+    try:
+        assert_only_loopback(zmq_port)  # bound, not connected
+        assert_only_loopback(replay_port)
+    finally:
+        publisher.shutdown()
