@@ -44,12 +44,12 @@ def ensure_env(extras: str) -> None:
 
 
 def demo(args: list[str]) -> None:
-    ensure_env("")
+    ensure_env("loadtest")  # the demo's report has PNG plots
     os.execv(BIN / "kvroute", [str(BIN / "kvroute"), "demo", *args])
 
 
 def test(args: list[str]) -> None:
-    ensure_env("dev,vllm")
+    ensure_env("dev,loadtest,vllm")
     run(BIN / "ruff", "check", ".")
     run(BIN / "mypy")
     os.execv(BIN / "python", [str(BIN / "python"), "-m", "pytest", *args])

@@ -1,0 +1,1 @@
+"""Benchmark scripts (``python -m loadtest.benchmarks.NAME``), kept out of the installed router."""
