@@ -14,6 +14,11 @@ events on ZMQ (PUB + replay ROUTER, topic ``kv``), ``PYTHONHASHSEED=0``,
 ``VLLM_CPU_KVCACHE_SPACE=1`` and ``VLLM_SERVER_DEV_MODE=1`` (so that
 ``POST /reset_prefix_cache`` exists). Logs go to a file; ``wait_ready`` raises with the
 log's tail when the server dies or misses its deadline.
+
+Each start gets its own temporary folder as ``VLLM_RPC_BASE_PATH``, where vLLM creates its
+``ipc://`` sockets (in the system temp folder otherwise, left behind when it is killed);
+``stop()`` and ``kill()`` remove it. ``TMPDIR`` is left alone, so torch's compile cache in
+the temp folder stays shared between servers.
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -116,6 +123,7 @@ class VllmServer:
         self.extra_env = dict(env or {})
         self.log_path = log_path
         self.process: subprocess.Popen[bytes] | None = None
+        self.ipc_dir: Path | None = None  # VLLM_RPC_BASE_PATH of the running process
         self.num_starts = 0  # how many times start() ran (restarts included)
 
     # --- endpoints -------------------------------------------------------------------
@@ -164,6 +172,8 @@ class VllmServer:
             VLLM_NO_USAGE_STATS="1",
             VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"),
         )
+        if self.ipc_dir is not None:
+            env["VLLM_RPC_BASE_PATH"] = str(self.ipc_dir)
         env.update(self.extra_env)
         return env
 
@@ -172,6 +182,8 @@ class VllmServer:
         if self.running:
             raise RuntimeError(f"server on port {self.port} is already running")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._remove_ipc_dir()
+        self.ipc_dir = Path(tempfile.mkdtemp(prefix="kvroute-vllm-ipc-"))
         with self.log_path.open("ab") as log:
             log.write(f"\n=== start {self.num_starts}: {' '.join(self.command())}\n".encode())
             log.flush()
@@ -233,6 +245,8 @@ class VllmServer:
             process.wait(timeout=timeout)
         # The engine core and workers may outlive the API server by a moment.
         _signal_group(process.pid, signal.SIGKILL)
+        _wait_group_gone(process.pid)
+        self._remove_ipc_dir()
         return process.returncode
 
     def kill(self) -> None:
@@ -240,6 +254,13 @@ class VllmServer:
         if self.process is not None:
             _signal_group(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=STOP_TIMEOUT_S)
+            _wait_group_gone(self.process.pid)
+            self._remove_ipc_dir()
+
+    def _remove_ipc_dir(self) -> None:
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            self.ipc_dir = None
 
     def restart(self, deadline: float | None = None) -> None:
         """Stop, start again on the same ports, and wait until healthy."""
@@ -257,6 +278,26 @@ class VllmServer:
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+
+
+def _wait_group_gone(pgid: int, timeout: float = STOP_TIMEOUT_S) -> None:
+    """Wait until no process of group ``pgid`` is alive (after SIGKILL: a moment), so a
+    folder it used is not recreated after its removal."""
+    deadline = time.monotonic() + timeout
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)  # poll interval
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a non-zombie process of group ``pgid`` exists (``/proc``)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def post_json(url: str, body: object | None = None, timeout: float = 60.0) -> object:

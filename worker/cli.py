@@ -2,8 +2,10 @@
 
 ``--engine vllm``: the vLLM OpenAI server runs as a child process (see
 ``worker.vllm_launch``); this process runs the agent, forwards SIGINT/SIGTERM to the
-engine's process group, and exits non-zero with the engine's last log lines if the engine
-dies or is not healthy before ``--startup-timeout``.
+engine's process group, and exits non-zero with the engine's root-cause line (the first
+exception its log names) and last log lines if the engine dies or is not healthy before
+``--startup-timeout``. On the CPU build the KV cache is sized by kvroute unless given
+(``--cpu-kvcache-space``).
 
 ``--engine sim``: the simulator and the agent run in this one process and one event loop
 (cheap enough for 16 workers on 2 cores).
@@ -23,6 +25,7 @@ import asyncio
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
@@ -107,7 +110,9 @@ def _configure_vllm(parser: argparse.ArgumentParser) -> None:
     add("--dev-mode", action="store_true",
         help="VLLM_SERVER_DEV_MODE=1: enables POST /reset_prefix_cache (tests, load tests)")
     add("--cpu-kvcache-space", type=int, default=None, metavar="GIB",
-        help="VLLM_CPU_KVCACHE_SPACE for the CPU build (default: vLLM's)")
+        help="KV cache of the CPU build, VLLM_CPU_KVCACHE_SPACE (default: $VLLM_CPU_KVCACHE_SPACE, "
+             "else 1 for the shipped tiny/small models, else half the memory available at "
+             "start; vLLM's own default, 92%% of the NUMA node, fails on a busy machine)")
     add("--cpu-threads-bind", default=None, metavar="CORES",
         help="VLLM_CPU_OMP_THREADS_BIND for the CPU build, e.g. 0 or 0-3 (default: vLLM's)")
     add("--engine-log", type=Path, default=None,
@@ -252,6 +257,12 @@ async def _run_vllm(args: argparse.Namespace) -> int:
     async with AsyncExitStack() as stack:
         log = _engine_log(stack, args.engine_log)
         env = engine_env(config, os.environ, cpu=is_cpu_engine())
+        # NOTE: vLLM's ipc:// sockets go to a private folder, removed after the engine stops
+        # (the stack unwinds in reverse), instead of accumulating in the temp folder.
+        ipc_dir = stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="kvroute-vllm-ipc-", ignore_cleanup_errors=True)
+        )
+        env.setdefault("VLLM_RPC_BASE_PATH", ipc_dir)
         # NOTE: the agent starts first: a busy agent port fails before vLLM spends a minute
         # starting, and the agent's subscriber is connected before the first event.
         agent_url = await _start_agent(stack, args, engine_url, zmq, replay)
