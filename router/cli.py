@@ -35,7 +35,8 @@ class Subcommand(Protocol):
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
-    """Every option's help ends with its default, ``(required)``, or nothing for a flag.
+    """Every option's help ends with its default, ``(required)``, or nothing for a flag
+    (options without help text get theirs from ``build_parser``).
 
     NOTE: unlike ``argparse.ArgumentDefaultsHelpFormatter``, a help text that already
     states its default (``default %(default)s``, ``default: --host``) is left alone, and
@@ -82,6 +83,9 @@ def build_parser(name: str) -> argparse.ArgumentParser:
         prog=f"kvroute {name}", description=help_text, formatter_class=DefaultsHelpFormatter
     )
     module.configure(parser)
+    for action in parser._actions:
+        # argparse skips the formatter for an option without help text: give it one.
+        action.help = help_with_default(action) or action.help
     return parser
 
 

@@ -105,15 +105,18 @@ def test_unknown_subcommand_exit_status_from_the_shell() -> None:
 @pytest.mark.parametrize("name", sorted(cli.SUBCOMMANDS))
 def test_every_option_shows_its_default(name: str) -> None:
     parser = cli.build_parser(name)
-    undocumented = [
-        action.option_strings
-        for action in parser._actions
-        if action.option_strings
-        and action.nargs != 0  # a flag: its default is "off"
-        and not any(word in cli.help_with_default(action) for word in ("default", "required"))
-    ]
-    assert undocumented == []
-    parser.format_help()  # every help string expands (no stray '%')
+    options = [a for a in parser._actions if a.option_strings and a.nargs != 0]  # not flags
+    rendered = "".join(parser.format_help().split())  # wrapping moves spaces: drop them
+    for action in options:
+        help_text = action.help or ""
+        assert "default" in help_text or "required" in help_text, action.option_strings
+        shown = "".join((help_text % {**vars(action), "prog": parser.prog}).split())
+        assert shown in rendered, action.option_strings  # argparse printed it
+
+
+def test_option_without_help_text_shows_its_default() -> None:
+    text = " ".join(cli.build_parser("demo").format_help().split())
+    assert "--workers WORKERS (default: 4)" in text
 
 
 def test_defaults_formatter() -> None:
