@@ -44,6 +44,7 @@ from worker.vllm_launch import (
     is_cpu_engine,
     pick_free_port,
     resolve_model,
+    root_cause,
     wait_healthy,
 )
 
@@ -299,8 +300,11 @@ async def _supervise(
         print(f"kvroute worker: {exc}", file=sys.stderr, flush=True)
         return 1
     except TimeoutError as exc:
+        cause = root_cause(engine.error_lines)
+        because = f"\n  first error in its log: {cause}" if cause else ""
         lines = "\n".join(f"  | {line}" for line in engine.last_lines)
-        print(f"kvroute worker: {exc}; last output lines:\n{lines}", file=sys.stderr, flush=True)
+        print(f"kvroute worker: {exc}{because}\n  last output lines:\n{lines}", file=sys.stderr,
+              flush=True)  # fmt: skip
         return 1
     on_ready()
     exited = asyncio.ensure_future(engine.wait())
