@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from worker.models import model_dir, served_model_name
-from worker.vllm_launch import zmq_bind_endpoint
+from worker.vllm_launch import root_cause, zmq_bind_endpoint
 
 BLOCK_SIZE = 32
 KV_TOPIC = "kv"
@@ -79,12 +79,14 @@ def kv_events_config(zmq_port: int, replay_port: int, topic: str = KV_TOPIC) -> 
 
 
 def tail(path: Path, num_lines: int = 60) -> str:
-    """The last lines of a log file ('' if it does not exist)."""
+    """The first exception the log names, then its last lines ('' if it does not exist)."""
     try:
         lines = path.read_text(errors="replace").splitlines()
     except FileNotFoundError:
         return ""
-    return "\n".join(lines[-num_lines:])
+    cause = root_cause(lines)
+    first = f"root cause: {cause}\n...\n" if cause else ""
+    return first + "\n".join(lines[-num_lines:])
 
 
 class VllmServerError(RuntimeError):

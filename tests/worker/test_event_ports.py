@@ -20,6 +20,7 @@ import zmq
 from tests.engines import free_port
 from tests.worker.ports import assert_only_loopback, listening_addresses
 from tests.worker.test_worker_cli import WorkerProcess
+from worker import cli
 from worker.sim.events import KVEventPublisher
 from worker.vllm_launch import VllmLaunchConfig, kv_events_config, zmq_bind_endpoint
 
@@ -112,3 +113,12 @@ def test_vllm_publisher_binds_the_endpoints_kvroute_passes() -> None:
         assert_only_loopback(replay_port)
     finally:
         publisher.shutdown()
+
+
+def test_vllm_worker_refuses_an_events_host_vllm_cannot_bind(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["--engine", "vllm", "--model", "tiny", "--events-host", "::1", "--port", "0",
+            "--zmq-port", "0", "--replay-port", "0", "--agent-port", "0"]  # fmt: skip
+    assert cli.main(args) == 2
+    assert "cannot bind an IPv6 address" in capsys.readouterr().err
