@@ -10,7 +10,7 @@ exception its log names) and last log lines if the engine dies or is not healthy
 ``--engine sim``: the simulator and the agent run in this one process and one event loop
 (cheap enough for 16 workers on 2 cores).
 
-Either way, the KV event PUB and replay sockets bind ``--events-host`` (default: ``--host``,
+The KV event PUB and replay sockets bind ``--events-host`` (default: ``--host``,
 itself loopback by default), never every interface unless asked: the events carry prompt
 token ids.
 
@@ -111,9 +111,10 @@ def _configure_vllm(parser: argparse.ArgumentParser) -> None:
     add("--dev-mode", action="store_true",
         help="VLLM_SERVER_DEV_MODE=1: enables POST /reset_prefix_cache (tests, load tests)")
     add("--cpu-kvcache-space", type=int, default=None, metavar="GIB",
-        help="KV cache of the CPU build, VLLM_CPU_KVCACHE_SPACE (default: $VLLM_CPU_KVCACHE_SPACE, "
-             "else 1 for the shipped tiny/small models, else half the memory available at "
-             "start; vLLM's own default, 92%% of the NUMA node, fails on a busy machine)")
+        help="KV cache of the CPU build, VLLM_CPU_KVCACHE_SPACE (default: "
+             "$VLLM_CPU_KVCACHE_SPACE, else 1 for the shipped tiny/small models, else half "
+             "the memory available at start; vLLM's own default, 92%% of the NUMA node, "
+             "fails on a busy machine)")
     add("--cpu-threads-bind", default=None, metavar="CORES",
         help="VLLM_CPU_OMP_THREADS_BIND for the CPU build, e.g. 0 or 0-3 (default: vLLM's)")
     add("--engine-log", type=Path, default=None,

@@ -14,7 +14,7 @@ from tests.engines import STARTUP_TIMEOUT_S, VllmServer
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_stopped_server_leaves_no_ipc_sockets(tmp_path: Path) -> None:
-    server = VllmServer(tmp_path / "vllm.log", num_gpu_blocks=64, omp_threads_bind="1")
+    server = VllmServer(tmp_path / "vllm.log", omp_threads_bind="1")
     try:
         server.start()
         ipc_dir = server.ipc_dir
