@@ -159,3 +159,13 @@ def test_declared_dependencies() -> None:
     names = {dep.split(">")[0].split("=")[0].lower() for dep in project["dependencies"]}
     assert "pyyaml" in names and "matplotlib" not in names
     assert any(d.startswith("matplotlib") for d in project["optional-dependencies"]["loadtest"])
+
+
+def test_kvindex_stays_pure() -> None:
+    forbidden = {"router", "worker", "loadtest", "asyncio", "aiohttp", "zmq", "socket",
+                 "subprocess", "threading"}  # fmt: skip
+    offenders = {}
+    for path in sorted((REPO / "kvindex").rglob("*.py")):
+        if bad := sorted(m for m in imported_modules(path) if m.split(".")[0] in forbidden):
+            offenders[str(path.relative_to(REPO))] = bad
+    assert offenders == {}
