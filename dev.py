@@ -74,12 +74,12 @@ def ensure_system_packages() -> None:
 
 
 def demo(args: list[str]) -> None:
-    ensure_env("")
+    ensure_env("loadtest")  # the demo's report has PNG plots
     os.execv(BIN / "kvroute", [str(BIN / "kvroute"), "demo", *args])
 
 
 def test(args: list[str]) -> None:
-    ensure_env("dev,vllm")
+    ensure_env("dev,loadtest,vllm")
     ensure_system_packages()
     run(BIN / "ruff", "check", ".")
     run(BIN / "mypy")

@@ -14,12 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
 from loadtest.client import RequestResult
+from loadtest.plotting import import_pyplot
 from loadtest.stats import RunSummary, hit_ratio_series, inflight_series
 
 TABLE_COLUMNS = (
@@ -34,6 +30,7 @@ TABLE_COLUMNS = (
     "imbalance max/mean",
     "failed",
 )
+plt = import_pyplot()  # ImportError naming the `loadtest` extra when matplotlib is missing
 
 
 @dataclass(slots=True)

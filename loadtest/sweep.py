@@ -24,12 +24,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-from matplotlib import ticker
-
 from loadtest.ceiling import workload_ceiling
 from loadtest.compare import (
     ALL_POLICIES,
@@ -38,9 +32,12 @@ from loadtest.compare import (
     run_policies,
 )
 from loadtest.fleet import Fleet, FleetConfig, FleetError
+from loadtest.plotting import import_pyplot
 from loadtest.report import without_nan
 from loadtest.stats import RunSummary
 from loadtest.workloads import build_workload
+
+plt = import_pyplot()  # ImportError naming the `loadtest` extra when matplotlib is missing
 
 SWEEP_COLUMNS = (
     "load (x trace rate)",
@@ -116,9 +113,9 @@ def plot_sweep(rows: Sequence[tuple[float, RunSummary]], out_dir: Path, slo_s: f
         if name == "p90":
             ax.axhline(slo_s, color="black", linestyle="--", linewidth=1, label=f"SLO {slo_s:g} s")
         ax.set_yscale("log")
-        ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
-        ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
-        ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+        ax.yaxis.set_major_locator(plt.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(plt.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(plt.NullFormatter())
         ax.set_xlabel("offered load (x the trace's request rate)")
         ax.set_ylabel(f"TTFT {name} (s, log scale)")
         ax.set_title(f"TTFT {name} vs offered load")

@@ -43,6 +43,7 @@ LABEL_PREFIX = "kvroute.io/"
 PORT_HTTP = "http"
 PORT_HTTPS = "https"  # an engine serving TLS names its port https instead
 PORT_AGENT = "agent"
+INITIAL_BACKOFF_S = 0.5  # after a failed call; doubles up to max_backoff_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,25 +183,35 @@ class _SliceFollower:
         self._stop = stop
         self._stats = stats
         self._slices = SliceSet()
+        self._version = ""  # the newest resourceVersion seen, where a resumed watch starts
+        self._backoff_s = INITIAL_BACKOFF_S
 
     def run(self) -> None:
-        backoff_s = 0.5
+        """List once; then watch, resuming from the last seen resourceVersion after any
+        failure (as client-go's reflector does); relist only when that version is gone."""
         resource = None
+        version: str | None = None
         while not self._stop.is_set():
             try:
                 if resource is None:
                     resource = self._resource()
-                version = self._list(resource)
+                if version is None:
+                    version = self._list(resource)
+                    self._backoff_s = INITIAL_BACKOFF_S
                 self._follow(resource, version)
-                backoff_s = 0.5
             except _Gone:
                 self._stats.expired += 1
+                version = None
                 log.info("EndpointSlice watch expired (410 Gone); relisting")
             except Exception as exc:  # any API failure: back off, keep the last list
                 self._stats.errors += 1
-                log.warning("Kubernetes discovery: %s; retrying in %.1f s", _short(exc), backoff_s)
-                self._stop.wait(backoff_s)
-                backoff_s = min(backoff_s * 2, self._settings.max_backoff_s)
+                if version is not None:
+                    version = self._version
+                log.warning(
+                    "Kubernetes discovery: %s; retrying in %.1f s", _short(exc), self._backoff_s
+                )
+                self._stop.wait(self._backoff_s)
+                self._backoff_s = min(self._backoff_s * 2, self._settings.max_backoff_s)
 
     def _resource(self) -> Any:
         from kubernetes import config, dynamic
@@ -224,7 +235,8 @@ class _SliceFollower:
         self._slices.replace_all(listing.get("items") or [])
         self._stats.lists += 1
         self._publish(self._slices.workers())
-        return str(listing["metadata"]["resourceVersion"])
+        self._version = str(listing["metadata"]["resourceVersion"])
+        return self._version
 
     def _follow(self, resource: Any, version: str) -> None:
         """Watch until the stop flag; each server-side timeout resumes from ``version``."""
@@ -240,6 +252,8 @@ class _SliceFollower:
                 )
                 for event in stream:
                     version = self._apply(event, version)
+                    self._version = version
+                    self._backoff_s = INITIAL_BACKOFF_S  # the server answers again
                     if self._stop.is_set():
                         return
             except ApiException as exc:

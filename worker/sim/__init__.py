@@ -1,4 +1,5 @@
-"""A GPU-free stand-in for a vLLM v1 engine (DESIGN.md decision 8).
+"""A GPU-free stand-in for a vLLM v1 engine, faithful enough that a 2-core machine can run
+a 16-worker fleet and the real router against it.
 
 Same HTTP API, metric names and KV event wire format as vLLM 0.32, a paged block pool
 with vLLM's exact prefix-caching semantics, a continuous-batching scheduler with

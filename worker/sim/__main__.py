@@ -18,7 +18,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--zmq-host", default="*", help="ZMQ bind host (vLLM binds '*')")
+    parser.add_argument("--zmq-host", default=None,
+                        help="KV event PUB + replay bind host; '*' for every interface "
+                             "(default: --host)")  # fmt: skip
     parser.add_argument("--zmq-port", type=int, default=5557, help="KV events PUB port")
     parser.add_argument("--replay-port", type=int, default=5558, help="replay ROUTER port")
     parser.add_argument("--topic", default="kv")
@@ -55,7 +57,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         speedup=args.speedup,
         gpu_profile=args.gpu_profile,
         enable_prefix_caching=not args.no_prefix_caching,
-        zmq_host=args.zmq_host,
+        zmq_host=args.zmq_host or args.host,
         zmq_port=args.zmq_port,
         replay_port=args.replay_port,
         topic=args.topic,

@@ -6,7 +6,8 @@ same chain and inputs (parent, the block's tokens, extra keys: the LoRA name on 
 block and ``cache_salt`` on block 0 only) over a canonical msgpack encoding, and keep
 the low 64 bits of sha256 as the hash. The values differ from vLLM's (it pickles), but
 nothing outside one engine ever compares engine hashes: the router re-hashes
-``token_ids`` into its own space (DESIGN.md decision 1).
+``token_ids`` into its own space (``kvindex.hashing``, seeded by a namespace), and keeps
+per worker the engine hash -> router hash map only to apply removals.
 
 Invariant: two blocks get one hash exactly when their parents' hashes, tokens and extra
 keys are equal (up to 64-bit collisions); ``NONE_HASH`` stands in for "no parent" and

@@ -9,6 +9,9 @@
   then the end marker ``[b"", b"", seq -1, b""]``. The buffer keeps the last
   ``buffer_steps`` batches.
 
+Both sockets bind ``host`` only (loopback by default): the events carry prompt token
+ids, so they are never offered on every interface unless asked (``host="*"``).
+
 Runs on the asyncio loop (``zmq.asyncio``): no thread, so 16 engines on 2 cores stay
 cheap.
 """
@@ -38,7 +41,7 @@ class KVEventPublisher:
     def __init__(
         self,
         *,
-        host: str = "*",
+        host: str = "127.0.0.1",
         port: int = 0,
         replay_port: int | None = 0,
         topic: str = "kv",

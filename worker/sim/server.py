@@ -70,7 +70,7 @@ class SimConfig:
     speedup: float = 1.0
     gpu_profile: str = DEFAULT_GPU_PROFILE
     enable_prefix_caching: bool = True
-    zmq_host: str = "*"
+    zmq_host: str = "127.0.0.1"  # KV event PUB + replay bind host ("*": every interface)
     zmq_port: int = 0
     replay_port: int | None = 0
     topic: str = "kv"

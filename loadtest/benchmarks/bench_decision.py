@@ -1,6 +1,6 @@
 """Benchmark: one routing decision for an 8,192-token prompt over 64 workers.
 
-    python -m router.scheduling.bench_decision [--workers 64 --blocks 1000000
+    python -m loadtest.benchmarks.bench_decision [--workers 64 --blocks 1000000
         --prompt-tokens 8192 --block-size 16 --iterations 400 --seed 0 --json out.json]
 
 Builds a real ``PrefixIndex`` holding ``--blocks`` (worker, block) entries, fed as
