@@ -4,7 +4,15 @@ Every request goes to ``POST {base_url}/v1/completions`` with the prompt as toke
 ``ignore_eos`` (so completions have exactly ``max_tokens`` tokens), greedy sampling and
 ``stream_options.include_usage`` (so the last chunk carries ``prompt_tokens`` and
 ``prompt_tokens_details.cached_tokens``). The worker that served it is read from the
-``x-kvroute-worker`` response header the router sets (``unknown`` without one).
+``x-kvroute-worker`` response header the router sets (``unknown`` without one; a peer
+router sets none).
+
+With ``text_prompts`` the prompt goes as text instead: each id is one ASCII character
+(the shipped byte-level tokenizer maps a byte to the id of its value, with nothing
+added), so the engine tokenizes the text back to exactly the same ids. A peer router that
+routes on text then sees what kvroute sees. Such workloads draw ids from
+``TEXT_TOKEN_RANGE`` (printable ASCII from ``=`` to ``~``, clear of ``<``, which starts
+every special token of that tokenizer: ``<s>`` in a prompt would become one token).
 
 Bounds: the run sends at most ``len(requests)`` requests, none after ``max_duration_s``,
 at most ``max_inflight`` at once, each with a ``request_timeout_s`` timeout; whatever
@@ -23,8 +31,9 @@ from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
+import numpy as np
 
-from loadtest.workloads.base import LoadRequest
+from loadtest.workloads.base import LoadRequest, TokenIds, TokenRange
 
 WORKER_HEADER = "x-kvroute-worker"
 SESSION_HEADER = "x-session-id"
@@ -34,6 +43,7 @@ LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 STATUS_CONNECT_ERROR = 0
 STATUS_TIMEOUT = -1
 STATUS_NOT_SENT = -2
+TEXT_TOKEN_RANGE = TokenRange(ord("="), ord("~") + 1)
 
 
 @dataclass(slots=True)
@@ -79,6 +89,7 @@ class ClientConfig:
     label: str = ""
     extra_body: dict[str, object] = field(default_factory=dict)
     replica_urls: tuple[str, ...] = ()
+    text_prompts: bool = False  # send prompts as text (ids in TEXT_TOKEN_RANGE)
 
     def __post_init__(self) -> None:
         for url in (self.base_url, *self.replica_urls):
@@ -102,10 +113,24 @@ _decode_chunk = msgspec.json.Decoder(_Chunk).decode
 _encode = msgspec.json.Encoder().encode
 
 
-def request_body(request: LoadRequest, model: str, extra: dict[str, object]) -> bytes:
+def prompt_text(token_ids: TokenIds) -> str:
+    """The text that the shipped tokenizer turns back into ``token_ids`` (ValueError for
+    an id outside ``TEXT_TOKEN_RANGE``)."""
+    ids = np.asarray(token_ids)
+    if ids.size and (ids.min() < TEXT_TOKEN_RANGE.low or ids.max() >= TEXT_TOKEN_RANGE.high):
+        raise ValueError(
+            f"text prompts need token ids in [{TEXT_TOKEN_RANGE.low}, {TEXT_TOKEN_RANGE.high})"
+        )
+    return ids.astype(np.uint8).tobytes().decode("ascii")
+
+
+def request_body(
+    request: LoadRequest, model: str, extra: dict[str, object], *, text: bool = False
+) -> bytes:
+    prompt = prompt_text(request.prompt_token_ids) if text else request.prompt_token_ids.tolist()
     body: dict[str, object] = {
         "model": model,
-        "prompt": request.prompt_token_ids.tolist(),
+        "prompt": prompt,
         "max_tokens": request.max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
@@ -133,9 +158,8 @@ async def send_one(
     start = time.monotonic()
     result.sent_s = start - run_start
     try:
-        async with session.post(
-            url, data=request_body(request, config.model, config.extra_body), headers=headers
-        ) as response:
+        body = request_body(request, config.model, config.extra_body, text=config.text_prompts)
+        async with session.post(url, data=body, headers=headers) as response:
             result.status = response.status
             result.worker = response.headers.get(WORKER_HEADER, UNKNOWN_WORKER)
             if response.status != 200:
@@ -149,6 +173,8 @@ async def send_one(
         result.status, result.error = STATUS_TIMEOUT, "timeout"
     except aiohttp.ClientError as exc:
         result.status, result.error = STATUS_CONNECT_ERROR, f"{type(exc).__name__}: {exc}"[:300]
+    except ValueError as exc:  # a prompt that cannot go as text
+        result.error = str(exc)
     finally:
         end = time.monotonic()
         result.done_s = end - run_start

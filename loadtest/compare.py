@@ -5,6 +5,11 @@ policy over the same workers, replay the workload open-loop, stop the router. Th
 workers stay up across policies (the cache reset makes each run start cold), so the
 only difference between runs is the policy. The ceiling is computed once from the
 workload and the fleet's total KV capacity (``loadtest.ceiling``).
+
+Peers (``--peer sglang:cache_aware``, ``loadtest.peers``) run after the policies, each
+over the same workers with fresh caches, as one more column. With a peer in the
+comparison every run sends text prompts (ids drawn from ``TEXT_TOKEN_RANGE``), kvroute's
+included, so all routers see the same requests.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadtest.ceiling import workload_ceiling
-from loadtest.client import ClientConfig, run_requests
+from loadtest.client import TEXT_TOKEN_RANGE, ClientConfig, run_requests
 from loadtest.fleet import (
     EngineCounters,
     Fleet,
@@ -26,6 +31,7 @@ from loadtest.fleet import (
     add_fleet_arguments,
     fleet_config_from_args,
 )
+from loadtest.peers import make_peer, parse_peer_spec
 from loadtest.report import PolicyRun, markdown_table, write_report
 from loadtest.stats import RunSummary, load_imbalance, summarize
 from loadtest.workloads import WORKLOADS, LoadRequest, build_workload
@@ -47,6 +53,12 @@ class CompareConfig:
     time_scale: float = 1.0  # latencies x this in the report (the simulator's speed-up)
     progress: bool = True
     title: str = ""
+    peers: Sequence[str] = ()  # KIND:POLICY, run after the policies
+
+    @property
+    def text_prompts(self) -> bool:
+        """Send text prompts: a peer routes on text (so then every router gets text)."""
+        return bool(self.peers)
 
 
 def served_model(model: str) -> str:
@@ -71,31 +83,56 @@ def run_policies(
 ) -> dict[str, PolicyRun]:
     """Run ``requests`` once per policy on the started ``fleet``; summaries per policy."""
     runs: dict[str, PolicyRun] = {}
-    worker_ids = [w.worker_id for w in fleet.workers]
     for policy in config.policies:
         fleet.reset_caches()
         url = fleet.start_router(policy)
         log(f"policy {policy}: router at {url}, {len(requests)} requests")
-        client = ClientConfig(
-            base_url=url,
-            model=served_model(config.fleet.model),
-            max_duration_s=config.max_duration_s,
-            request_timeout_s=config.request_timeout_s,
-            progress=config.progress,
-            label=policy,
-            replica_urls=tuple(fleet.router_urls) if len(fleet.router_urls) > 1 else (),
-        )
-        before = fleet.engine_counters()
+        replicas = tuple(fleet.router_urls) if len(fleet.router_urls) > 1 else ()
         try:
-            results = asyncio.run(run_requests(client, requests))
+            runs[policy] = _replay(fleet, requests, config, ceiling, policy, url, replicas)
         finally:
             fleet.stop_router()
-        summary = summarize(
-            policy, results, ceiling=ceiling, workers=worker_ids, time_scale=config.time_scale
-        )
-        add_engine_counters(summary, before, fleet.engine_counters(), worker_ids)
-        runs[policy] = PolicyRun(summary, results, worker_ids)
+    for spec in map(parse_peer_spec, config.peers):
+        fleet.reset_caches()
+        peer = make_peer(spec, fleet.log_dir, config.fleet.startup_timeout_s)
+        try:
+            url = peer.start([w.url for w in fleet.workers])
+            log(f"peer {peer.name}: at {url}, {len(requests)} requests")
+            runs[peer.name] = _replay(fleet, requests, config, ceiling, peer.name, url, ())
+        finally:
+            peer.stop()
+        runs[peer.name].description = peer.description
     return runs
+
+
+def _replay(
+    fleet: Fleet,
+    requests: Sequence[LoadRequest],
+    config: CompareConfig,
+    ceiling: float,
+    label: str,
+    url: str,
+    replica_urls: tuple[str, ...],
+) -> PolicyRun:
+    """Replay ``requests`` through the router at ``url``; its summary with engine counters."""
+    worker_ids = [w.worker_id for w in fleet.workers]
+    client = ClientConfig(
+        base_url=url,
+        model=served_model(config.fleet.model),
+        max_duration_s=config.max_duration_s,
+        request_timeout_s=config.request_timeout_s,
+        progress=config.progress,
+        label=label,
+        replica_urls=replica_urls,
+        text_prompts=config.text_prompts,
+    )
+    before = fleet.engine_counters()
+    results = asyncio.run(run_requests(client, requests))
+    summary = summarize(
+        label, results, ceiling=ceiling, workers=worker_ids, time_scale=config.time_scale
+    )
+    add_engine_counters(summary, before, fleet.engine_counters(), worker_ids)
+    return PolicyRun(summary, results, worker_ids)
 
 
 def add_engine_counters(
@@ -116,7 +153,10 @@ def add_engine_counters(
 
 def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) -> Path:
     """Start the fleet, run every policy, write the report; returns the Markdown path."""
-    requests = build_workload(config.workload, config.params, seed=config.seed)
+    token_range = TEXT_TOKEN_RANGE if config.text_prompts else None
+    requests = build_workload(
+        config.workload, config.params, seed=config.seed, token_range=token_range
+    )
     with Fleet(config.fleet) as fleet:
         log(f"starting {config.fleet.num_workers} {config.fleet.engine} workers ...")
         fleet.start_workers()
@@ -131,7 +171,9 @@ def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) ->
         "fleet": f"{config.fleet.num_workers} x {config.fleet.engine} ({config.fleet.model}), "
         f"{capacity} KV blocks of {config.fleet.block_size} tokens in all",
         "time scale": config.time_scale,
+        "prompts": "text (one ASCII character per token)" if config.text_prompts else "token ids",
     }
+    setup.update({f"peer {name}": run.description for name, run in runs.items() if run.description})
     title = config.title or f"kvroute policy comparison: {config.workload}"
     path = write_report(config.out_dir, title, runs, setup=setup, time_scale=config.time_scale)
     log(markdown_table([run.summary for run in runs.values()]))
@@ -162,6 +204,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="workload parameter (repeatable), e.g. --set path=TRACE.jsonl",
     )
     parser.add_argument("--seed", type=int, default=0)
+    add_peer_argument(parser)
     parser.add_argument(
         "--policies",
         default="round_robin,cache_aware",
@@ -180,6 +223,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
+def add_peer_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--peer",
+        dest="peers",
+        action="append",
+        default=[],
+        metavar="KIND:POLICY",
+        help="another router as one more column, e.g. sglang:cache_aware (repeatable; needs "
+        "the 'peer' extra); every run then sends text prompts",
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> CompareConfig:
     policies = ALL_POLICIES if args.policies == "all" else tuple(args.policies.split(","))
     fleet = fleet_config_from_args(args)
@@ -194,6 +249,7 @@ def config_from_args(args: argparse.Namespace) -> CompareConfig:
         request_timeout_s=args.request_timeout_s,
         time_scale=args.time_scale,
         progress=not args.no_progress,
+        peers=tuple(args.peers),
     )
 
 
@@ -201,6 +257,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         params_from_strings(WORKLOADS[config.workload].params_type, config.params)  # fail early
+        for peer in config.peers:
+            parse_peer_spec(peer)
         run_comparison(config)
     except (ValueError, OSError, FleetError) as exc:
         print(f"kvroute loadtest: error: {exc}", file=sys.stderr)

@@ -28,6 +28,7 @@ TABLE_COLUMNS = (
     "token hit ratio",
     "hit / ceiling",
     "imbalance max/mean",
+    "imbalance (GPU-s)",
     "failed",
 )
 plt = import_pyplot()  # ImportError naming the `loadtest` extra when matplotlib is missing
@@ -38,6 +39,7 @@ class PolicyRun:
     summary: RunSummary
     results: list[RequestResult]
     workers: list[str] = dataclasses.field(default_factory=list)  # the fleet's, in order
+    description: str = ""  # how a peer router was run (empty for kvroute's policies)
 
 
 def _fmt(value: float, digits: int = 3) -> str:
@@ -61,6 +63,7 @@ def markdown_table(summaries: Sequence[RunSummary]) -> str:
             _fmt(s.token_hit_ratio),
             _fmt(s.hit_ratio_of_ceiling, 2),
             _fmt(s.load_imbalance, 2),
+            _fmt(s.gpu_busy_imbalance, 2),
             f"{s.num_failed}/{s.num_requests}",
         ]
         lines.append("| " + " | ".join(cells) + " |")

@@ -10,6 +10,9 @@ reported times are simulated-GPU seconds.
 Output (``--out``): ``sweep.md`` (one row per load x policy, then each policy's goodput:
 the highest load whose TTFT p90 is under ``--slo-ttft-p90-s``), ``sweep.json``,
 ``ttft_vs_load.png`` (p50 and p90 per policy) and ``hit_ratio_vs_load.png``.
+
+``--peer sglang:cache_aware`` (repeatable) adds another router as one more policy row at
+every load (``loadtest.peers``); every run then sends text prompts.
 """
 
 from __future__ import annotations
@@ -25,13 +28,16 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.ceiling import workload_ceiling
+from loadtest.client import TEXT_TOKEN_RANGE
 from loadtest.compare import (
     ALL_POLICIES,
     CompareConfig,
+    add_peer_argument,
     fleet_capacity_blocks,
     run_policies,
 )
 from loadtest.fleet import Fleet, FleetConfig, FleetError
+from loadtest.peers import parse_peer_spec
 from loadtest.plotting import import_pyplot
 from loadtest.report import without_nan
 from loadtest.stats import RunSummary
@@ -39,6 +45,7 @@ from loadtest.workloads import build_workload
 
 plt = import_pyplot()  # ImportError naming the `loadtest` extra when matplotlib is missing
 
+TEXT_PROMPTS_NOTE = "prompts: text, one ASCII character per token (a peer routes on text)"
 SWEEP_COLUMNS = (
     "load (x trace rate)",
     "policy",
@@ -146,6 +153,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=500)
     parser.add_argument("--loads", default="1,2,3,4", help="offered loads, x the trace's rate")
     parser.add_argument("--policies", default="all")
+    add_peer_argument(parser)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument(
         "--sim-speedup",
@@ -221,8 +229,13 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         "max_tokens_cap": str(args.max_tokens_cap),
         "max_input_tokens": str(args.max_input_tokens),
     }
-    prompts = build_workload("mooncake", base_params, seed=args.seed)
+    peers = tuple(args.peers)
+    for peer in peers:
+        parse_peer_spec(peer)  # a typo fails before the fleet starts
+    token_range = TEXT_TOKEN_RANGE if peers else None
+    prompts = build_workload("mooncake", base_params, seed=args.seed, token_range=token_range)
     rows: list[tuple[float, RunSummary]] = []
+    peer_notes: dict[str, str] = {}
     started = time.monotonic()
     with Fleet(fleet_config) as fleet:
         fleet.start_workers()
@@ -231,7 +244,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{len(prompts)} requests, fleet capacity {capacity} blocks, ceiling {ceiling:.3f}")
         for load in loads:
             params = {**base_params, "speedup": str(load * args.sim_speedup)}
-            requests = build_workload("mooncake", params, seed=args.seed)
+            requests = build_workload("mooncake", params, seed=args.seed, token_range=token_range)
             config = CompareConfig(
                 workload="mooncake",
                 params=params,
@@ -241,12 +254,16 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
                 request_timeout_s=args.request_timeout_s,
                 time_scale=args.sim_speedup,
                 progress=not args.no_progress,
+                peers=peers,
             )
             runs = run_policies(fleet, requests, config, ceiling)
             rows += [(load, run.summary) for run in runs.values()]
+            peer_notes.update({n: r.description for n, r in runs.items() if r.description})
             print(sweep_table([row for row in rows if row[0] == load]), flush=True)
     return {
         "rows": rows,
+        "notes": [f"peer {name}: {text}" for name, text in peer_notes.items()]
+        + ([TEXT_PROMPTS_NOTE] if peers else []),
         "ceiling": ceiling,
         "capacity_blocks": capacity,
         "wall_s": time.monotonic() - started,
@@ -325,6 +342,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             slos = _slos(args, {})  # a malformed --slo-ttft-p90-s fails before the fleet starts
             result = run_sweep(args)
+            header += "".join(f"\n- {line}" for line in result["notes"])
             result["args"] = {k: str(v) for k, v in vars(args).items()}
             result["args"]["slo_ttft_p90_s"] = ",".join(f"{slo:g}" for slo in slos)
     except (ValueError, OSError, FleetError) as exc:

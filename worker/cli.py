@@ -131,7 +131,10 @@ def _configure_sim(parser: argparse.ArgumentParser) -> None:
     add("--max-num-seqs", type=int, default=1024,
         help="most requests in one batch (default %(default)s)")
     add("--max-num-batched-tokens", type=int, default=8192,
-        help="token budget per engine step (default %(default)s)")  # fmt: skip
+        help="token budget per engine step (default %(default)s)")
+    add("--cpu-offload-blocks", type=int, default=0,
+        help="CPU KV tier: blocks evicted from GPU kept in a CPU LRU of this many blocks, "
+             "loaded back over PCIe on a hit (default 0: off)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -336,6 +339,7 @@ async def _run_sim(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         speedup=args.speedup,
+        cpu_offload_blocks=args.cpu_offload_blocks,
         zmq_host="*" if _events_host(args) in WILDCARD_HOSTS else _events_host(args),
         zmq_port=args.zmq_port,
         replay_port=args.replay_port,

@@ -42,6 +42,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--gpu-profile", default=DEFAULT_GPU_PROFILE, choices=sorted(GPU_PROFILES))
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument(
+        "--cpu-offload-blocks",
+        type=int,
+        default=0,
+        help="CPU tier: blocks evicted from GPU kept in a CPU LRU of this size (0: off)",
+    )
     parser.add_argument("--hash-seed", default="0")  # fmt: skip
 
 
@@ -57,6 +63,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         speedup=args.speedup,
         gpu_profile=args.gpu_profile,
         enable_prefix_caching=not args.no_prefix_caching,
+        cpu_offload_blocks=args.cpu_offload_blocks,
         zmq_host=args.zmq_host or args.host,
         zmq_port=args.zmq_port,
         replay_port=args.replay_port,

@@ -126,6 +126,7 @@ class SimEngine:
                 deadline = loop.time()
                 continue
             step_s = self.profile.step_seconds(plan.attention_pairs)
+            step_s += self.profile.kv_load_seconds(self.scheduler.kv.take_loaded_tokens())
             deadline += step_s / self.speedup
             delay = deadline - loop.time()
             if delay > 0:

@@ -1,6 +1,12 @@
 """Per-request block tables over the block pool: vLLM v1's ``KVCacheManager`` for one
 full-attention group (``kv_cache_manager.py`` + ``FullAttentionManager``).
 
+With a CPU offload tier (``cpu_offload_blocks``), a lookup continues past the GPU hits
+into the CPU LRU: those blocks count as computed (a hit the engine reports in
+``cached_tokens``), and admitting the request loads them into fresh GPU blocks, which are
+cached (``BlockStored`` GPU) like computed ones. ``take_loaded_tokens`` tells the engine
+how many tokens came over PCIe since it last asked, for the step's timing.
+
 Invariants: a request's blocks cover ``cdiv(slots, block_size)`` blocks it was given;
 ``num_cached_block[r]`` counts its leading blocks already cached (hashed); a running
 request holds one reference on each of its blocks.
@@ -28,11 +34,18 @@ class KVCacheManager:
         max_model_len: int,
         *,
         enable_caching: bool = True,
+        cpu_offload_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_gpu_blocks, block_size, enable_caching=enable_caching)
+        self.block_pool = BlockPool(
+            num_gpu_blocks,
+            block_size,
+            enable_caching=enable_caching,
+            cpu_offload_blocks=cpu_offload_blocks,
+        )
+        self._num_loaded_blocks_taken = 0
         # request id -> its blocks, in token order
         self.req_to_blocks: dict[str, list[SimBlock]] = {}
         # request id -> number of its leading blocks already cached
@@ -41,8 +54,16 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.usage()
 
+    def take_loaded_tokens(self) -> int:
+        """Tokens loaded from the CPU tier since the last call."""
+        loaded = self.block_pool.num_loaded_blocks - self._num_loaded_blocks_taken
+        self._num_loaded_blocks_taken = self.block_pool.num_loaded_blocks
+        return loaded * self.block_size
+
     def get_computed_blocks(self, request: SimRequest) -> tuple[list[SimBlock], int]:
-        """The longest cached prefix of full blocks and its length in tokens.
+        """The longest cached prefix of full blocks and its length in tokens: GPU blocks
+        (returned), then blocks in the CPU tier (counted in the length only; admission
+        loads them, see ``allocate_slots``).
 
         NOTE: capped at ``num_tokens - 1`` as vLLM does: when every token is cached the
         last one must still be computed to get logits, so a fully cached prompt of
@@ -58,7 +79,14 @@ class KVCacheManager:
             if block is None:
                 break
             computed.append(block)
-        return computed, len(computed) * self.block_size
+        num_blocks = len(computed)
+        if self.block_pool.cpu_blocks:
+            in_cpu = self.block_pool.in_cpu
+            for block_hash in request.block_hashes[num_blocks:max_blocks]:
+                if not in_cpu(block_hash):
+                    break
+                num_blocks += 1
+        return computed, num_blocks * self.block_size
 
     def allocate_slots(
         self,
@@ -96,6 +124,13 @@ class KVCacheManager:
             return None
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         if request.request_id not in self.num_cached_block:
+            # Hits beyond the GPU blocks are in the CPU tier: load them (touched before
+            # get_new_blocks below, whose evictions may push older CPU blocks out).
+            num_hit_blocks = num_new_computed_tokens // self.block_size
+            if self.block_pool.cpu_offload_blocks and num_hit_blocks > len(new_computed_blocks):
+                self.block_pool.load_from_cpu(
+                    request.block_hashes[len(new_computed_blocks) : num_hit_blocks]
+                )
             if self.enable_caching:
                 self.block_pool.touch(new_computed_blocks)
             req_blocks.extend(new_computed_blocks)

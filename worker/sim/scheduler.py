@@ -40,6 +40,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     enable_caching: bool = True
+    cpu_offload_blocks: int = 0  # CPU tier for blocks evicted from GPU (0: none)
 
 
 @dataclass(slots=True)
@@ -89,6 +90,7 @@ class Scheduler:
             config.block_size,
             config.max_model_len,
             enable_caching=config.enable_caching,
+            cpu_offload_blocks=config.cpu_offload_blocks,
         )
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []

@@ -70,6 +70,7 @@ class SimConfig:
     speedup: float = 1.0
     gpu_profile: str = DEFAULT_GPU_PROFILE
     enable_prefix_caching: bool = True
+    cpu_offload_blocks: int = 0  # CPU tier for blocks evicted from GPU (0: off)
     zmq_host: str = "127.0.0.1"  # KV event PUB + replay bind host ("*": every interface)
     zmq_port: int = 0
     replay_port: int | None = 0
@@ -129,6 +130,7 @@ def build_state(config: SimConfig) -> SimState:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
             enable_caching=config.enable_prefix_caching,
+            cpu_offload_blocks=config.cpu_offload_blocks,
         )
     )
     metrics = SimMetrics(scheduler, served)

@@ -26,6 +26,14 @@ Where the numbers come from (``GPU_PROFILES``):
   for this model and GPU (roughly 120-150 tok/s single-stream decode, tens of
   thousands of prefill tokens/s).
 
+Loading offloaded KV back from the CPU tier costs its bytes over PCIe:
+``kv_bytes_per_token * tokens / pcie_bandwidth``, added to the step that admits the
+request (a synchronous load; vLLM's connector overlaps it with other requests' steps, so
+this slightly overcharges). 25 GB/s is an assumption: roughly what pinned host-to-device
+copies reach on a PCIe Gen4 x16 link (32 GB/s peak), below Gen5's peak. For Llama-3.1-8B
+(128 KiB per token) that is ~5 us a token, about a sixth of prefilling it on an H100
+(~30 us a token at the efficiencies above).
+
 The simulator is only as faithful as this model: it captures that prefill cost grows
 with uncached tokens (so cache hits cut TTFT) and that decode slows with batch and
 context; it ignores CUDA-graph batch buckets, tensor-parallel communication and
@@ -58,6 +66,7 @@ class GpuProfile:
     # vLLM's --gpu-memory-utilization default, and room kept for activations
     memory_utilization: float = 0.9
     activation_reserve_bytes: float = 2e9
+    pcie_bandwidth: float = 25e9  # bytes/s, host -> GPU, for loads from the CPU tier
 
     def default_num_gpu_blocks(self, block_size: int) -> int:
         """KV blocks the GPU holds after weights and activations (vLLM's profiling)."""
@@ -67,6 +76,10 @@ class GpuProfile:
             - self.activation_reserve_bytes
         )
         return max(int(kv_bytes // (self.kv_bytes_per_token * block_size)), 2)
+
+    def kv_load_seconds(self, num_tokens: int) -> float:
+        """Time to copy ``num_tokens`` tokens of KV from the CPU tier to the GPU."""
+        return self.kv_bytes_per_token * num_tokens / self.pcie_bandwidth
 
     def step_seconds(self, attention_pairs: Iterable[tuple[int, int]]) -> float:
         """Duration of one step computing ``(context_before, new_tokens)`` per request."""
