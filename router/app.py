@@ -119,6 +119,10 @@ def create_app(
     metrics.add_fleet_collector(
         fleet.views, lambda w: index.num_blocks_of(WorkerId(w)), proxy.hits.ratio
     )
+    metrics.add_runtime_collector(
+        _event_loop_tasks,
+        lambda: app[UPSTREAM].num_connections() if UPSTREAM in app else 0,
+    )
     app[CONFIG] = config
     app[INDEX] = index
     app[FLEET] = fleet
@@ -217,6 +221,14 @@ async def _cache_report_json(request: web.Request) -> web.Response:
     return web.json_response(request.app[CACHE_REPORT].report(max(0, min(limit, 1000))))
 
 
+def _event_loop_tasks() -> int:
+    """Tasks on the running loop (0 when scraped outside it, as some tests do)."""
+    try:
+        return len(asyncio.all_tasks())
+    except RuntimeError:
+        return 0
+
+
 # --- resources (one cleanup context each) -----------------------------------------------
 
 
@@ -252,6 +264,10 @@ async def _upstream_pool(app: web.Application) -> AsyncIterator[None]:
     tls = client_tls_context(config.worker_ca_file, verify=config.worker_tls_verify)
     pool = UpstreamPool(connect_timeout_s=config.connect_timeout_s, tls=tls)
     app[UPSTREAM] = pool
+    fleet = app[FLEET]
+    fleet.add_removal_listener(
+        lambda _: pool.retain(worker.spec.url for worker in fleet.workers.values())
+    )
     try:
         yield
     finally:

@@ -228,6 +228,12 @@ class RouterMetrics:
         """Register scrape-time gauges: per-worker load and index blocks, token hit ratio."""
         self.registry.register(_FleetCollector(workers, blocks_of, hit_ratio, self.last_index_sync))
 
+    def add_runtime_collector(
+        self, event_loop_tasks: Callable[[], int], upstream_connections: Callable[[], int]
+    ) -> None:
+        """Register scrape-time gauges of the router process's own resources."""
+        self.registry.register(_RuntimeCollector(event_loop_tasks, upstream_connections))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -315,6 +321,32 @@ class _FleetCollector(Collector):
         )
         ratio.add_metric([], self._hit_ratio())
         return [*(family for _, family in loads), kv_usage, healthy, blocks, last_sync, ratio]
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+
+class _RuntimeCollector(Collector):
+    """Gauges a leak would show first: tasks on the event loop, upstream connections."""
+
+    def __init__(
+        self, event_loop_tasks: Callable[[], int], upstream_connections: Callable[[], int]
+    ) -> None:
+        self._event_loop_tasks = event_loop_tasks
+        self._upstream_connections = upstream_connections
+
+    def collect(self) -> Iterable[Metric]:
+        tasks = GaugeMetricFamily(
+            _PREFIX + "event_loop_tasks",
+            "Tasks alive on the router's event loop (requests, streams, subscriptions)",
+        )
+        tasks.add_metric([], float(self._event_loop_tasks()))
+        connections = GaugeMetricFamily(
+            _PREFIX + "upstream_connections",
+            "Open connections from the router to workers for proxied requests, busy and idle",
+        )
+        connections.add_metric([], float(self._upstream_connections()))
+        return [tasks, connections]
 
     def describe(self) -> Iterable[Metric]:
         return []

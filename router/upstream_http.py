@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal, cast
 from urllib.parse import urlsplit
@@ -111,6 +111,14 @@ def _parse_target(url: str) -> _Target:
     return _Target((parts.hostname, port, use_tls), parts.hostname, port, use_tls, head)
 
 
+def _is_usable(url: str) -> bool:
+    try:
+        _parse_target(url)
+    except ConnectError:
+        return False
+    return True
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive connection to a worker; one response at a time."""
 
@@ -120,6 +128,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = ResponseParser()
         self.closed = False  # the transport is closed or closing
+        self.retired = False  # its worker left the fleet: close instead of reusing
         self.error: Exception | None = None  # what ended the current response early
         self.num_responses = 0  # responses started on this connection
         self._pieces: list[bytes] = []  # decoded body bytes not yet read
@@ -349,7 +358,7 @@ class UpstreamPool:
 
     def give_back(self, conn: _Connection) -> None:
         self._busy.discard(conn)
-        if self._closed or not conn.reusable:
+        if self._closed or conn.retired or not conn.reusable:
             conn.close()
             return
         idle = self._key_to_idle.setdefault(conn.key, [])
@@ -361,6 +370,22 @@ class UpstreamPool:
 
     def num_idle(self) -> int:
         return sum(len(conns) for conns in self._key_to_idle.values())
+
+    def num_connections(self) -> int:
+        """Open connections, busy and idle (the soak watches this stay flat)."""
+        return len(self._busy) + self.num_idle()
+
+    def retain(self, worker_urls: Iterable[str]) -> None:
+        """Forget every worker not in ``worker_urls`` (it left the fleet): its idle
+        connections close now, its busy ones when their response ends (never reused)."""
+        keep = {_parse_target(url).key for url in worker_urls if _is_usable(url)}
+        for key in [key for key in self._key_to_idle if key not in keep]:
+            for conn in self._key_to_idle.pop(key):
+                conn.close()
+        for conn in self._busy:
+            if conn.key not in keep:
+                conn.retired = True
+        self._url_to_target = {u: t for u, t in self._url_to_target.items() if t.key in keep}
 
     async def close(self) -> None:
         """Close every connection, idle or busy, and wait until their sockets are gone."""

@@ -11,6 +11,7 @@ import aiohttp
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.app import FLEET, UPSTREAM
 from router.config import RouterConfig
 from tests.router.fakes import run, running_router
 from tests.router.simfleet import BLOCK_SIZE, sim_fleet
@@ -38,6 +39,7 @@ def test_live_router_metrics_are_hygienic() -> None:
     families = {f.name: f for f in text_string_to_metric_families(run(main(), timeout_s=60))}
     _check_series_and_fractions(families)
     _check_histogram_help(families)
+    _check_runtime_gauges(families)
 
 
 def _check_series_and_fractions(families: dict[str, Metric]) -> None:
@@ -78,3 +80,30 @@ def _check_histogram_help(families: dict[str, Metric]) -> None:
         if s.name.endswith("_count")
     )
     assert (ttft_count, e2e_count) == (2, 3)  # the HELP texts tell the truth
+
+
+def _check_runtime_gauges(families: dict[str, Metric]) -> None:
+    """The soak's leak gauges: the loop has tasks (at least the one serving /metrics) and
+    the worker's keep-alive connection from the three requests is still open."""
+    (tasks,) = families["kvroute_router_event_loop_tasks"].samples
+    (connections,) = families["kvroute_router_upstream_connections"].samples
+    assert tasks.value >= 1
+    assert connections.value == 1
+
+
+def test_a_worker_leaving_the_fleet_closes_its_upstream_connections() -> None:
+    async def main() -> tuple[int, int]:
+        async with sim_fleet(1) as workers:
+            config = RouterConfig(
+                host="127.0.0.1", port=0, workers=[workers[0].spec()], block_size=BLOCK_SIZE
+            )
+            async with running_router(config) as (app, url), aiohttp.ClientSession() as session:
+                body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+                before = app[UPSTREAM].num_connections()
+                app[FLEET].apply_specs([])  # discovery says the worker is gone
+                return before, app[UPSTREAM].num_connections()
+
+    assert run(main(), timeout_s=60) == (1, 0)

@@ -452,3 +452,30 @@ def test_a_head_wait_ends_once_the_answer_is_no_longer_wanted() -> None:
             await asyncio.wait_for(server.closed_by_client.wait(), 5)  # the request aborted
 
     run(main())
+
+
+def test_connections_of_a_worker_that_left_are_closed_and_never_reused() -> None:
+    async def main() -> None:
+        async with (
+            scripted_server(answer_ok) as kept,
+            scripted_server(answer_ok) as gone,
+            pool() as upstream,
+        ):
+            resp = await upstream.post(gone.url, b"{}", deadline=_deadline())
+            busy = await upstream.post(gone.url, b"{}", deadline=_deadline())  # stays busy
+            await (await upstream.post(kept.url, b"{}", deadline=_deadline())).read_all(
+                _deadline()
+            )
+            assert await resp.read_all(_deadline()) == b"{}"
+            assert (upstream.num_idle(), upstream.num_connections()) == (2, 3)
+            upstream.retain([kept.url])  # `gone` left the fleet
+            assert (upstream.num_idle(), upstream.num_connections()) == (1, 2)
+            assert await busy.read_all(_deadline()) == b"{}"  # its answer still arrives
+            assert (upstream.num_idle(), upstream.num_connections()) == (1, 1)
+            connects = upstream.num_connects
+            await (await upstream.post(kept.url, b"{}", deadline=_deadline())).read_all(
+                _deadline()
+            )
+            assert upstream.num_connects == connects  # the kept worker's connection reused
+
+    run(main())
