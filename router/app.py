@@ -191,15 +191,32 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _ready(request: web.Request) -> web.Response:
-    """200 once at least one worker is routable, until the router starts draining."""
-    if request.app[LIFECYCLE].draining:
+    """200 once the router has its picture of the fleet, until it starts draining.
+
+    A starting router (a new replica, or a restarted one) becomes ready when at least one
+    worker is routable and every known worker has synced its index snapshot or failed
+    its first check, or, with one routable, after ``sync_timeout_s + health_timeout_s``
+    at most. Once ready it stays ready (a worker that restarts later resyncs on its own).
+    """
+    lifecycle = request.app[LIFECYCLE]
+    if lifecycle.draining:
         raise ApiError(503, "The router is shutting down.", code="draining")
-    views = request.app[FLEET].views()
+    fleet = request.app[FLEET]
+    views = fleet.views()
     num_healthy = sum(1 for v in views if v.healthy)
     if num_healthy == 0:
         raise ApiError(
             503, f"No routable worker yet (0 of {len(views)} healthy).", code="not_ready"
         )
+    if not lifecycle.warm:
+        config = request.app[CONFIG]
+        waiting = fleet.num_awaiting_first_sync()
+        patience_s = config.sync_timeout_s + config.health_timeout_s
+        if waiting and lifecycle.age_s() < patience_s:
+            raise ApiError(
+                503, f"Waiting for the index snapshots of {waiting} worker(s).", code="not_ready"
+            )
+        lifecycle.warm = True
     return web.json_response(
         {"status": "ready", "healthy_workers": num_healthy, "workers": len(views)}
     )

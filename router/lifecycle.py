@@ -25,8 +25,13 @@ class Lifecycle:
     def __init__(self) -> None:
         self.requests_in_flight = 0
         self.draining = False
+        self.warm = False  # set once by /ready: the index had its snapshots (router.app)
+        self._born = time.monotonic()
         self._idle = asyncio.Event()
         self._idle.set()
+
+    def age_s(self) -> float:
+        return time.monotonic() - self._born
 
     @contextlib.contextmanager
     def track(self) -> Iterator[None]:

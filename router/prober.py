@@ -130,10 +130,12 @@ class Prober:
                 worker.consecutive_failures = 0
                 return
             except UnknownTokenizerError as exc:
+                worker.first_check_done = True
                 self._report_config_error(exc)
                 return
             except _PROBE_ERRORS as exc:
                 log.debug("probe of %s failed: %r", worker.view.worker_id, exc)
+        worker.first_check_done = True  # failed or timed out: readiness waits no more
         if outcome == "timeout":
             if worker.state == "suspect" and not self._alive_lately(worker):
                 self._registry.mark_down(worker)  # frozen: no answer, no progress

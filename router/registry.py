@@ -63,6 +63,7 @@ class RegisteredWorker:
     probed: bool = False  # models and namespace known
     suspect_since: float = 0.0  # monotonic; when its checks started to time out
     last_alive_at: float = 0.0  # monotonic; last health answer or request progress
+    first_check_done: bool = False  # its first check failed, or it synced (or timed out)
 
 
 class WorkerRegistry:
@@ -182,7 +183,12 @@ class WorkerRegistry:
         self._index.add_worker(worker_id, worker.view.namespace)
         if self.subscriber is not None:
             self.subscriber.start(worker)
-            synced = await self.subscriber.wait_synced(worker_id, self._config.sync_timeout_s)
+            try:
+                synced = await self.subscriber.wait_synced(
+                    worker_id, self._config.sync_timeout_s
+                )
+            finally:
+                worker.first_check_done = True
             if not synced:
                 log.warning(
                     "worker %s: no index snapshot after %.1fs, routing anyway",
@@ -191,8 +197,14 @@ class WorkerRegistry:
                 )
             if self.workers.get(worker_id) is not worker or not worker.probed:
                 return  # removed or failed while we waited
+        worker.first_check_done = True
         self._set_healthy(worker)
         log.info("worker %s routable: %s", worker_id, worker.view.namespace)
+
+    def num_awaiting_first_sync(self) -> int:
+        """Workers neither synced (or timed out syncing) nor failed a check yet: a router
+        that starts is ready only when this is 0 (``router.lifecycle``)."""
+        return sum(1 for worker in self.workers.values() if not worker.first_check_done)
 
     def mark_suspect(self, worker: RegisteredWorker) -> None:
         """No new requests; index and subscription kept (see module doc)."""
