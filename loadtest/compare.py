@@ -67,6 +67,17 @@ def served_model(model: str) -> str:
     return served_model_name(model)
 
 
+def split_policy_replicas(label: str) -> tuple[str, int | None]:
+    """``cache_aware@2`` -> (``cache_aware``, 2): that policy on 2 router replicas, clients
+    spread across them; a bare name -> (name, None): ``--routers`` replicas."""
+    policy, at, count = label.partition("@")
+    if not at:
+        return policy, None
+    if not count.isdigit() or int(count) < 1:
+        raise ValueError(f"{label!r}: the replica count after '@' must be a positive integer")
+    return policy, int(count)
+
+
 def fleet_capacity_blocks(fleet: Fleet) -> int:
     per_worker = fleet.gpu_blocks_per_worker()
     if per_worker is None:
@@ -83,15 +94,19 @@ def run_policies(
 ) -> dict[str, PolicyRun]:
     """Run ``requests`` once per policy on the started ``fleet``; summaries per policy."""
     runs: dict[str, PolicyRun] = {}
-    for policy in config.policies:
+    default_replicas = fleet.config.num_routers
+    for label in config.policies:
+        policy, num_replicas = split_policy_replicas(label)
         fleet.reset_caches()
-        url = fleet.start_router(policy)
-        log(f"policy {policy}: router at {url}, {len(requests)} requests")
-        replicas = tuple(fleet.router_urls) if len(fleet.router_urls) > 1 else ()
+        fleet.config.num_routers = num_replicas or default_replicas
         try:
-            runs[policy] = _replay(fleet, requests, config, ceiling, policy, url, replicas)
+            url = fleet.start_router(policy)
+            log(f"policy {label}: router at {url}, {len(requests)} requests")
+            replicas = tuple(fleet.router_urls) if len(fleet.router_urls) > 1 else ()
+            runs[label] = _replay(fleet, requests, config, ceiling, label, url, replicas)
         finally:
             fleet.stop_router()
+            fleet.config.num_routers = default_replicas
     for spec in map(parse_peer_spec, config.peers):
         fleet.reset_caches()
         peer = make_peer(spec, fleet.log_dir, config.fleet.startup_timeout_s)
@@ -208,7 +223,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policies",
         default="round_robin,cache_aware",
-        help=f"comma-separated, run in order; 'all' = {','.join(ALL_POLICIES)}",
+        help=f"comma-separated, run in order; 'all' = {','.join(ALL_POLICIES)}; "
+        "POLICY@K runs it on K router replicas (e.g. cache_aware,cache_aware@2)",
     )
     add_fleet_arguments(parser, startup_timeout_s=240.0)
     parser.add_argument(
@@ -259,6 +275,8 @@ def run(args: argparse.Namespace) -> int:
         params_from_strings(WORKLOADS[config.workload].params_type, config.params)  # fail early
         for peer in config.peers:
             parse_peer_spec(peer)
+        for label in config.policies:
+            split_policy_replicas(label)
         run_comparison(config)
     except (ValueError, OSError, FleetError) as exc:
         print(f"kvroute loadtest: error: {exc}", file=sys.stderr)

@@ -93,7 +93,7 @@ def test_comparison_through_router_on_simulated_workers(tmp_path: Path) -> None:
         workload="tenants",
         params={"num_requests": "48", "rate": "40", "num_tenants": "4", "system_tokens": "512",
                 "question_tokens": "32", "max_tokens": "4"},
-        policies=("round_robin", "cache_aware"),
+        policies=("round_robin", "cache_aware@2"),  # cache_aware on 2 router replicas
         fleet=FleetConfig(num_workers=2, num_gpu_blocks=200, startup_timeout_s=60.0),
         out_dir=tmp_path / "report",
         max_duration_s=30.0,
@@ -102,6 +102,7 @@ def test_comparison_through_router_on_simulated_workers(tmp_path: Path) -> None:
     )  # fmt: skip
     report = run_comparison(config, log=lambda _: None)
     data = json.loads((report.parent / "report.json").read_text())
+    assert [s["policy"] for s in data["summaries"]] == ["round_robin", "cache_aware@2"]
     for summary in data["summaries"]:
         assert summary["num_failed"] == 0
         assert summary["prompt_tokens"] == 48 * (512 + 32)

@@ -79,3 +79,13 @@ def test_report_files_and_table(tmp_path: Path) -> None:
     assert [s["policy"] for s in data["summaries"]] == ["round_robin", "cache_aware"]
     assert len(data["results"]["cache_aware"]) == 21
     assert not math.isnan(data["summaries"][0]["ttft_p50"])
+
+
+def test_policy_replicas_split() -> None:
+    from loadtest.compare import split_policy_replicas
+
+    assert split_policy_replicas("cache_aware") == ("cache_aware", None)
+    assert split_policy_replicas("cache_aware@2") == ("cache_aware", 2)
+    for bad in ("cache_aware@", "cache_aware@0", "cache_aware@x"):
+        with pytest.raises(ValueError, match="replica count"):
+            split_policy_replicas(bad)
