@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from router.config import load_config
+from router.config import ENV_PREFIX, OPTIONS, load_config
 from tests.charts.chart import CHART, find, parse_cli, render, values_file
 
 VALUES = {"default": {}, "cpu": values_file("values-cpu.yaml")}
@@ -126,6 +126,14 @@ def test_secrets_are_referenced_never_inlined() -> None:
     }
     assert refs == {"agent", "tenant", "admin", "worker-key"}
     assert {"secret": {"secretName": "keys"}, "name": "api-keys"} in router["volumes"]
+    # every variable the router gets is one of its options (a misspelt one is ignored,
+    # and with it, say, client authentication)
+    known = {ENV_PREFIX + opt.name.upper() for opt in OPTIONS}
+    names = [e["name"] for e in router["containers"][0]["env"]]
+    assert [n for n in names if n.startswith(ENV_PREFIX) and n not in known] == []
+    mounts = {m["name"]: m["mountPath"] for m in router["containers"][0]["volumeMounts"]}
+    tenants = next(e for e in router["containers"][0]["env"] if e["name"].endswith("TENANTS_FILE"))
+    assert tenants["value"] == mounts["api-keys"]  # the mounted Secret: a file per tenant
 
 
 def _write(text: str) -> str:
