@@ -71,7 +71,8 @@ def mutated_requests(draw: st.DrawFn) -> FuzzRequest:
         body[name] = draw(json_values)
     if draw(st.booleans()):
         body["max_tokens"] = draw(st.integers(-5, 4) | st.text(max_size=4) | st.none())
-    return FuzzRequest("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    return FuzzRequest("POST", path, json.dumps(body).encode(), headers)
 
 
 @st.composite
