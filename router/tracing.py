@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 from collections.abc import Iterator, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -81,7 +82,7 @@ class RequestTracer:
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
-            from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+            from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
             from opentelemetry.trace.propagation.tracecontext import (
                 TraceContextTextMapPropagator,
             )
@@ -89,7 +90,11 @@ class RequestTracer:
             raise TracingUnavailable(
                 "tracing needs the otel extra: pip install 'kvroute[otel]'"
             ) from exc
-        sampler = ParentBased(TraceIdRatioBased(sample_ratio))
+        # NOTE: new traces are sampled in ``start_request`` (an unsampled one then costs
+        # one random draw instead of the SDK's spans); the SDK only follows a parent.
+        self.sample_ratio = sample_ratio
+        self._random = random.Random().random
+        sampler = ParentBased(ALWAYS_ON)
         self.provider = TracerProvider(
             resource=Resource.create({"service.name": SERVICE_NAME}), sampler=sampler
         )
@@ -120,10 +125,17 @@ class RequestTracer:
         exporter = OTLPSpanExporter(endpoint=endpoint, timeout=config.otlp_timeout_s)
         return cls(exporter, sample_ratio=config.trace_sample_ratio)
 
-    def start_request(self, request: web.Request, kind: str) -> RequestTrace:
-        """The root span of one request, child of the client's ``traceparent`` if any."""
+    def start_request(self, request: web.Request, kind: str) -> RequestTrace | None:
+        """The root span of one request, child of the client's ``traceparent`` if any.
+
+        None (no span, no cost: the request runs as with tracing off) for a new trace
+        the sample ratio leaves out. A client's ``traceparent`` always gets a span, so
+        its sampled flag, not our ratio, decides (``ParentBased``) and propagates.
+        """
         from opentelemetry.trace import SpanKind
 
+        if "traceparent" not in request.headers and self._random() >= self.sample_ratio:
+            return None
         parent = self.propagator.extract(request.headers)
         span = self.tracer.start_span(
             "kvroute.request",

@@ -38,7 +38,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,11 +110,16 @@ ROUTER_PIDS: dict[str, int] = {}  # router base URL -> its process id
 
 @contextlib.contextmanager
 def router(
-    workers: Sequence[str], policy: str, *extra: str, code_dir: Path | None = None
+    workers: Sequence[str],
+    policy: str,
+    *extra: str,
+    code_dir: Path | None = None,
+    module: str = "router.cli",
 ) -> Iterator[str]:
-    """A router process; ``code_dir``: run the code found there (an A/B baseline)."""
+    """A router process; ``code_dir``: run the code found there (an A/B baseline);
+    ``module``: the entry point (``router_without_metrics`` for that baseline)."""
     port = free_port()
-    args = [sys.executable, "-m", "router.cli", "router", "--port", str(port), "--policy",
+    args = [sys.executable, "-m", module, "router", "--port", str(port), "--policy",
             policy, "--block-size", "32", "--log-level", "warning", *extra]  # fmt: skip
     for url in workers:
         args += ["--worker", url]
@@ -283,6 +288,104 @@ async def bench_throughput(num_workers: int, concurrency: int, seconds: float) -
             "router_rps_per_cpu_core": 1 / cpu_per_request if cpu_per_request else 0.0}  # fmt: skip
 
 
+# --- observability cost ------------------------------------------------------------------
+
+OBSERVABILITY_VARIANTS = (
+    "no metrics (baseline)",
+    "metrics (default)",
+    "metrics + tracing, all sampled",
+    "metrics + tracing, ratio-sampled",
+)
+
+
+@contextlib.asynccontextmanager
+async def otlp_sink() -> AsyncIterator[tuple[str, list[int]]]:
+    """An OTLP/HTTP receiver that accepts every export; yields its traces URL and the
+    sizes of the exports it got (so the run proves spans were really sent)."""
+    from aiohttp import web
+
+    sizes: list[int] = []
+
+    async def traces(request: web.Request) -> web.Response:
+        sizes.append(len(await request.read()))
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    app = web.Application(client_max_size=64 * 2**20)
+    app.router.add_post("/v1/traces", traces)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}/v1/traces", sizes
+    finally:
+        await runner.cleanup()
+
+
+async def settle(pid: int, deadline_s: float = 10.0) -> None:
+    """Until the process uses under 5% of a core (background work done), or the deadline."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        before = cpu_seconds(pid)
+        await asyncio.sleep(0.2)
+        if cpu_seconds(pid) - before < 0.01:
+            return
+
+
+async def bench_observability(
+    num_workers: int, concurrency: int, seconds: float, rounds: int, sample_ratio: float
+) -> dict[str, Any]:
+    """Requests/s and router CPU per request of four routers over the same simulated
+    workers: metric updates patched to no-ops (the baseline), as shipped, and as shipped
+    with OTLP tracing on, every trace sampled and ``sample_ratio`` of them;
+    ``rounds`` interleaved closed-loop runs of ``seconds`` each."""
+    async with otlp_sink() as (traces_url, exports):
+        with contextlib.ExitStack() as stack:
+            workers = stack.enter_context(sims(num_workers, speedup=1000.0))
+            bases = {
+                OBSERVABILITY_VARIANTS[0]: stack.enter_context(
+                    router(workers, "cache_aware",
+                           module="loadtest.benchmarks.router_without_metrics")
+                ),
+                OBSERVABILITY_VARIANTS[1]: stack.enter_context(router(workers, "cache_aware")),
+                OBSERVABILITY_VARIANTS[2]: stack.enter_context(
+                    router(workers, "cache_aware", "--otlp-traces-endpoint", traces_url)
+                ),
+                OBSERVABILITY_VARIANTS[3]: stack.enter_context(
+                    router(workers, "cache_aware", "--otlp-traces-endpoint", traces_url,
+                           "--trace-sample-ratio", str(sample_ratio))
+                ),
+            }  # fmt: skip
+            async with aiohttp.ClientSession() as session:
+                for url in [*workers, *bases.values()]:
+                    await wait_ok(session, url + ("/ready" if url in bases.values() else "/health"))
+            for base in bases.values():
+                await closed_loop([base], concurrency, 2.0)  # warm-up
+            rps: dict[str, list[float]] = {name: [] for name in bases}
+            cpu_ms: dict[str, list[float]] = {name: [] for name in bases}
+            for _ in range(rounds):
+                for name, base in bases.items():
+                    cpu_before = cpu_seconds(ROUTER_PIDS[base])
+                    rate, num = await closed_loop([base], concurrency, seconds)
+                    await settle(ROUTER_PIDS[base])  # its span exports end before the next
+                    rps[name].append(rate)
+                    cpu_ms[name].append((cpu_seconds(ROUTER_PIDS[base]) - cpu_before) * 1e3 / num)
+    baseline = statistics.median(rps[OBSERVABILITY_VARIANTS[0]])
+    result: dict[str, Any] = {
+        name: {
+            "rps_median": statistics.median(rps[name]),
+            "rps_rounds": rps[name],
+            "router_cpu_ms_per_request": statistics.median(cpu_ms[name]),
+            "throughput_cost_vs_baseline": 1 - statistics.median(rps[name]) / baseline,
+        }
+        for name in bases
+    }
+    result["trace_sample_ratio"] = sample_ratio
+    result["otlp_exports"] = len(exports)
+    result["otlp_bytes"] = sum(exports)
+    return result
+
+
 # --- TTFT on real workers ---------------------------------------------------------------
 
 WORDS = (
@@ -425,7 +528,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("mode", choices=["overhead", "throughput", "ttft", "serve-sims"])
+    parser.add_argument(
+        "mode", choices=["overhead", "throughput", "observability", "ttft", "serve-sims"]
+    )
     parser.add_argument("--out", type=Path, help="JSON results file")
     parser.add_argument("--num", type=int, default=400, help="overhead: paired requests")
     parser.add_argument(
@@ -434,10 +539,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-workers", type=int, default=4, help="throughput: sim workers")
     parser.add_argument("--concurrency", type=int, default=32, help="throughput: clients")
     parser.add_argument("--seconds", type=float, default=10.0, help="throughput: duration")
+    parser.add_argument("--rounds", type=int, default=8,
+                        help="observability: interleaved runs per variant; ttft: users per "
+                             "tenant")  # fmt: skip
+    parser.add_argument("--trace-sample-ratio", type=float, default=0.05,
+                        help="observability: the ratio-sampled tracing variant")  # fmt: skip
     parser.add_argument("--worker", action="append", default=[], help="ttft: vLLM base URL")
     parser.add_argument("--model", default="kvroute-small", help="ttft: served model name")
     parser.add_argument("--tenants", type=int, default=8, help="ttft: shared system prompts")
-    parser.add_argument("--rounds", type=int, default=8, help="ttft: users per tenant")
     parser.add_argument("--prompt-chars", type=int, default=1280, help="ttft: system prompt")
     parser.add_argument("--port", type=int, action="append", default=[], help=argparse.SUPPRESS)
     parser.add_argument("--speedup", type=float, default=1000.0, help=argparse.SUPPRESS)
@@ -454,6 +563,24 @@ def main(argv: list[str] | None = None) -> int:
                 if isinstance(r, dict)
                 for k, v in r.items()
             ]
+        elif args.mode == "observability":
+            result = runner.run(
+                bench_observability(
+                    args.num_workers,
+                    args.concurrency,
+                    args.seconds,
+                    args.rounds,
+                    args.trace_sample_ratio,
+                )
+            )
+            rows = [
+                (f"{name} {k}", f"{v:.3f}" if isinstance(v, float) else str(v))
+                for name, r in result.items()
+                if isinstance(r, dict)
+                for k, v in r.items()
+                if k != "rps_rounds"
+            ]
+            rows += [(k, str(v)) for k, v in result.items() if not isinstance(v, dict)]
         elif args.mode == "throughput":
             result = runner.run(bench_throughput(args.num_workers, args.concurrency, args.seconds))
             rows = [(k, f"{v:.1f}" if isinstance(v, float) else str(v)) for k, v in result.items()]

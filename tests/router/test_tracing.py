@@ -253,3 +253,27 @@ def test_a_retried_request_has_a_route_and_upstream_span_per_attempt() -> None:
                 != upstreams[1].attributes["kvroute.worker"]
             )
     assert num_retried >= 1
+
+
+def test_the_sample_ratio_skips_new_traces_but_a_client_s_sampled_trace_wins() -> None:
+    """Ratio 0: requests without a traceparent make no span at all (they cost what they
+    cost with tracing off); a client's sampled traceparent is still traced, and its
+    unsampled one is followed (no span recorded)."""
+    exporter = InMemorySpanExporter()
+    unsampled = f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-00"
+
+    async def main() -> None:
+        async with fake_workers(FakeBehaviour()) as workers:
+            config = router_config(workers, policy="cache_aware")
+            tracer = RequestTracer(exporter, batch=False, sample_ratio=0.0)
+            async with _router(config, tracer) as url:
+                for _ in range(5):
+                    assert await _complete(url) == 200
+                assert await _complete(url, {"traceparent": unsampled}) == 200
+                assert exporter.get_finished_spans() == ()
+                assert await _complete(url, {"traceparent": TRACEPARENT}) == 200
+                await wait_until(lambda: len(exporter.get_finished_spans()) >= 5)
+
+    run(main())
+    roots = [s for s in exporter.get_finished_spans() if s.name == "kvroute.request"]
+    assert len(roots) == 1 and f"{roots[0].context.trace_id:032x}" == CLIENT_TRACE_ID
