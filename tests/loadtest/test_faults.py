@@ -51,4 +51,6 @@ def test_soak_rounds_rotate_faults_and_sample_the_router() -> None:
     assert report.outcomes.get("lost", 0) == report.outcomes.get("hung", 0) == 0
     assert [s.round for s in report.samples] == list(range(6))
     assert all(s.rss_mb > 0 and s.open_fds > 0 for s in report.samples)
+    # the router's own gauges are read (None would mean the metric is missing)
+    assert all(s.tasks and s.pool_connections is not None for s in report.samples)
     assert set(flatness(report.samples)) >= {"rss_mb", "open_fds"}
