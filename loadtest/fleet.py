@@ -113,6 +113,22 @@ class Child:
     log_path: Path
     log_file: IO[bytes]
 
+    @classmethod
+    def spawn(cls, name: str, argv: list[str], log_dir: Path) -> Child:
+        """Start ``argv`` in its own process group, output to ``log_dir/NAME.log``."""
+        log_path = log_dir / f"{name}.log"
+        log_file = log_path.open("wb")
+        env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1"}
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        return cls(name, process, log_path, log_file)
+
     def log_tail(self, num_chars: int = 2000) -> str:
         with contextlib.suppress(OSError):
             return self.log_path.read_text(errors="replace")[-num_chars:]
@@ -431,18 +447,7 @@ class Fleet:
         return argv + self.config.worker_args
 
     def _spawn(self, name: str, argv: list[str]) -> Child:
-        log_path = self._log_dir / f"{name}.log"
-        log_file = log_path.open("wb")
-        env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1"}
-        process = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-        return Child(name, process, log_path, log_file)
+        return Child.spawn(name, argv, self._log_dir)
 
     def _wait_ready(self, child: Child, urls: list[str], deadline: float) -> None:
         """Poll ``urls`` until one answers 200; fail fast if the child exits."""

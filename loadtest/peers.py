@@ -17,7 +17,6 @@ attribution header: per-worker numbers for a peer come from the engines' own cou
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -120,16 +119,8 @@ class SglangPeer:
         port = free_port()
         self._argv = self.command(port, worker_urls)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"peer-{self.name.replace(':', '-')}.log"
-        log_file = log_path.open("wb")
-        process = subprocess.Popen(
-            self._argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self._child = Child(self.name, process, log_path, log_file)
+        log_name = f"peer-{self.name.replace(':', '-')}"
+        self._child = Child.spawn(log_name, self._argv, self.log_dir)
         url = f"http://{HOST}:{port}"
         try:
             self._wait_ready(url, len(worker_urls))

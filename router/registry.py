@@ -183,12 +183,8 @@ class WorkerRegistry:
         self._index.add_worker(worker_id, worker.view.namespace)
         if self.subscriber is not None:
             self.subscriber.start(worker)
-            try:
-                synced = await self.subscriber.wait_synced(
-                    worker_id, self._config.sync_timeout_s
-                )
-            finally:
-                worker.first_check_done = True
+            synced = await self.subscriber.wait_synced(worker_id, self._config.sync_timeout_s)
+            worker.first_check_done = True
             if not synced:
                 log.warning(
                     "worker %s: no index snapshot after %.1fs, routing anyway",
@@ -197,13 +193,14 @@ class WorkerRegistry:
                 )
             if self.workers.get(worker_id) is not worker or not worker.probed:
                 return  # removed or failed while we waited
-        worker.first_check_done = True
+        else:
+            worker.first_check_done = True  # nothing to sync
         self._set_healthy(worker)
         log.info("worker %s routable: %s", worker_id, worker.view.namespace)
 
     def num_awaiting_first_sync(self) -> int:
         """Workers neither synced (or timed out syncing) nor failed a check yet: a router
-        that starts is ready only when this is 0 (``router.lifecycle``)."""
+        that starts is ready only when this is 0 (``/ready`` in ``router.app``)."""
         return sum(1 for worker in self.workers.values() if not worker.first_check_done)
 
     def mark_suspect(self, worker: RegisteredWorker) -> None:

@@ -111,12 +111,12 @@ def _parse_target(url: str) -> _Target:
     return _Target((parts.hostname, port, use_tls), parts.hostname, port, use_tls, head)
 
 
-def _is_usable(url: str) -> bool:
+def _key_of(url: str) -> _Key | None:
+    """The pool key of a worker URL; None for a URL no worker can be reached at."""
     try:
-        _parse_target(url)
+        return _parse_target(url).key
     except ConnectError:
-        return False
-    return True
+        return None
 
 
 class _Connection(asyncio.Protocol):
@@ -378,7 +378,7 @@ class UpstreamPool:
     def retain(self, worker_urls: Iterable[str]) -> None:
         """Forget every worker not in ``worker_urls`` (it left the fleet): its idle
         connections close now, its busy ones when their response ends (never reused)."""
-        keep = {_parse_target(url).key for url in worker_urls if _is_usable(url)}
+        keep = {key for url in worker_urls if (key := _key_of(url)) is not None}
         for key in [key for key in self._key_to_idle if key not in keep]:
             for conn in self._key_to_idle.pop(key):
                 conn.close()
