@@ -15,7 +15,8 @@ from router import cli
 
 REPO = Path(__file__).resolve().parent.parent
 # A Markdown file named anywhere in the repository must ship with it; so must a folder
-# beside the checkout (a path that climbs out of it). Output files the tools write are not citations.
+# beside the checkout (a path that climbs out of it). Files the tools write are no
+# citations.
 CITED_MARKDOWN = re.compile(r"(?<![\w/.-])([\w-]+\.md)\b")
 SIBLING_FOLDER = re.compile(r"(?<![\w/.])\.\./[A-Za-z][\w.-]*")
 WRITTEN_BY_THE_TOOLS = {"report.md"}  # loadtest.report's output, in the user's --out
