@@ -4,6 +4,8 @@
   request line, an oversize header, a Content-Encoding it cannot decode) are answered
   in OpenAI's error JSON (``router.errors.protocol_error_response``), like every other
   error, not with aiohttp's plain text; the connection then closes.
+- A request body that does not decode, left unread by its handler, is a client's
+  fault: aiohttp's traceback for it becomes one debug line.
 - A client must send a request's head within ``head_timeout_s`` of connecting or of the
   end of its previous answer; a half-sent head is closed then. This is aiohttp's
   ``keepalive_timeout``: since aiohttp 3.14.5 (the floor in pyproject.toml) it runs
@@ -24,6 +26,7 @@ import logging
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_protocol import RequestHandler
 
 from router.errors import protocol_error_response
@@ -50,6 +53,16 @@ class _JsonErrorRequestHandler(RequestHandler):
         if request.writer.output_size > 0:  # as aiohttp: too late for another answer
             raise ConnectionError("response already started; cannot send an error")
         return protocol_error_response(status, exc)
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        """aiohttp logs "Unhandled exception" with a traceback when the unread rest of a
+        request body fails to decode after the answer (a bad gzip body): a client fault,
+        answered already, so one debug line, not an error an operator must chase."""
+        exc = kw.get("exc_info")
+        if isinstance(exc, web.RequestPayloadError | BadHttpMessage):
+            log.debug("dropped the unreadable rest of a request body: %r", exc)
+            return
+        super().log_exception(*args, **kw)
 
 
 class _JsonErrorServer(web.Server):

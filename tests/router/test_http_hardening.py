@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import logging
 import time
 from typing import Any
 from urllib.parse import urlsplit
@@ -153,7 +154,9 @@ def test_requests_the_http_parser_refuses_get_openai_json(
     ],
     ids=["bogus-encoding", "bad-gzip", "deep-json", "token-id-2^32", "token-id-2^64"],
 )
-def test_bad_bodies_get_400_not_500(headers: dict[str, str], body: bytes) -> None:
+def test_bad_bodies_get_400_not_500(
+    headers: dict[str, str], body: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
     async def main() -> None:
         async with _router() as url, aiohttp.ClientSession() as session:
             headers["Content-Type"] = "application/json"
@@ -169,3 +172,5 @@ def test_bad_bodies_get_400_not_500(headers: dict[str, str], body: bytes) -> Non
                 assert resp.status == 200, await resp.text()
 
     run(main())
+    # a client's bad body is its fault: no error traceback in the router's log
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
