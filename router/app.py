@@ -93,6 +93,7 @@ def create_app(
         index,
         create_policy(config.policy, config.policy_params),
         prediction_ttl_s=config.prediction_ttl_s,
+        max_prediction_lifetime_s=config.max_prediction_lifetime_s,
     )
     queue = AdmissionQueue(config.queue_size, config.queue_timeout_s, metrics.queue_depth.set)
     fleet.add_listener(queue.notify)

@@ -304,7 +304,16 @@ class RouterConfig:
         minimum=0,
     )
     prediction_ttl_s: float = option(
-        2.0, "seconds a routed request's blocks count as predicted", minimum=0
+        2.0,
+        "seconds a routed request's blocks count as predicted after its prefill is "
+        "expected to end there (0: no predictions)",
+        minimum=0,
+    )
+    max_prediction_lifetime_s: float = option(
+        120.0,
+        "longest time a routed request's blocks count as predicted (a long prefill's "
+        "expected end is capped here)",
+        minimum=0,
     )
     session_header: str = option(
         "x-session-id", "header carrying the session key (else the 'user' field)"

@@ -1,21 +1,31 @@
 """Expected time to first token of one request on one worker (the cache-aware score).
 
-    uncached(w) = prompt_tokens - hit_tokens(w)
+    uncached(w) = A(prompt_tokens - hit_tokens(w), hit_tokens(w))
                 + block_size * (cpu_cost * num_cpu + disk_cost * num_disk
                                 + predicted_cost * num_predicted)
-    queued(w)   = load.prefill_tokens_queued + load.inflight_prefill_tokens
+    queued(w)   = load.prefill_tokens_queued + load.inflight_prefill_tokens - progress(w)
+    progress(w) = min(load.prefill_head_tokens,
+                      (now - load.prefill_head_since) / s_prefill(w))
     running(w)  = max(load.num_running, load.num_inflight)
     ttft(w)     = overhead(w) + s_prefill(w) * (queued(w) + uncached(w))
                 + s_running(w) * running(w)
     score(w)    = ttft(w) + added_work_weight * share(w) / (1 - rho(w))
                           * s_prefill(w) * uncached(w)
+                + recompute_weight * mean_rho / (1 - mean_rho)
+                          * s_prefill(w) * (uncached(w) - min_v uncached(v))
     share(w)    = (rho(w) + eps) / (mean_rho + eps)
+    A(u, c)     = u * (1 + (c + u / 2) / attention_context_tokens)
 
 ``overhead``, ``s_prefill`` (seconds per prefill token) and ``s_running`` are learned
 per worker (``rates.py``); ``added_work_weight`` is cache_aware's parameter (0.5);
 ``rho(w)`` is the worker's recent utilisation by the prefill this router sent it and
 ``mean_rho`` the fleet's mean (``utilization.py``; both 0 when the term is off, which
-makes the factor 1).
+makes the factor 1). ``A`` can weigh recomputed tokens for attention's quadratic cost
+(``attention_weighted_tokens``; a 126K-token prompt costs about 3x its token count at
+32K), so the queue, the busy term and the learned rates see what the GPU spends. It is
+off by default (``attention_context_tokens`` 0: linear): on the Mooncake sweep, 32K
+(Llama-3.1-8B's value, which the simulator models) lowered the hit ratio and raised
+TTFT p90 and GPU-second imbalance at loads 1-2 (BENCHMARKS.md), so linear stays.
 
 NOTE: the prefill a request adds costs more than its own TTFT, and more on a worker that
 has lately taken more than its share of the work:
@@ -42,6 +52,29 @@ NOTE: ``queued`` adds the engine's report and this router's in-flight prefill to
 The engine's report lags (it comes every load-report interval) while the router's own
 count is exact but blind to other routers; adding them over-counts our own requests
 only until the next report, and errs on the side of spreading load.
+NOTE: ``recompute`` prices the re-prefills a move causes. The added-work term charges
+every uncached token alike, but tokens no candidate holds must be computed somewhere,
+while tokens another candidate holds are pure waste here: GPU time the fleet loses and
+a second copy that evicts other blocks. On an idle worker the added-work factor is
+near 1, so a conversation left a busy worker for an idle one as soon as its queue cost
+more than one prefill of the history, at any load. At fleet utilisation ``rho`` a
+second of extra work delays the fleet's other requests by about ``rho / (1 - rho)``
+seconds in all (the queueing argument of the added-work term, fleet-wide), so the
+recompute term charges the tokens beyond the best candidate's that much more: nothing
+at light load, where moving is free, and a conversation stays on its worker near
+saturation unless the queue there costs more than the re-prefills. The GPU-time
+argument alone gives ``recompute_weight`` 1; the copy's evictions cost later hits on
+top, and on the Mooncake sweep 3 kept the most hits at every load with no worse TTFT
+p90 than 0 or 1 (BENCHMARKS.md), so 3 is the default.
+
+NOTE: ``progress`` credits the oldest of this router's in-flight prefills there with
+what the worker has computed of it since it became the oldest, at the learned rate.
+Without it a long prefill counts whole until its first token: 10 s into a 20 s prefill
+the worker still looked 20 s busy, so a follow-up sharing the prefix (a hit about to
+exist, ``Scheduler.prediction_lifetime_s``) went to an idle worker and recomputed it.
+Only the oldest is credited (the engine prefills roughly in arrival order), and progress
+made on the others while it ran is not: the estimate errs on the side of more queue.
+
 NOTE: queued work is measured in tokens, like the prompt. On the Mooncake trace every
 request shares its first block, so a small overlap is worth block_size tokens while a
 worker with a long queue costs thousands: queued work dominates and load spreads.
@@ -70,9 +103,28 @@ class TierCosts:
     cpu: float = 0.25
     disk: float = 0.5
     predicted: float = 0.1
+    # context length at which a token's attention costs as much as the rest of its
+    # prefill (``attention_weighted_tokens``; 0: prefill cost linear in tokens)
+    attention_context_tokens: float = 0.0
 
 
 DEFAULT_TIER_COSTS: Final = TierCosts()
+
+
+def attention_weighted_tokens(
+    num_uncached: float, num_cached: float, attention_context_tokens: float
+) -> float:
+    """Prefill cost of ``num_uncached`` tokens computed after ``num_cached`` ones, in
+    tokens at the cost of a token with no context: ``u * (1 + (c + u / 2) / L)``.
+
+    Per token, a prefill costs its dense matmuls (``2 * params`` FLOPs) plus causal
+    attention over the context before it (``4 * layers * hidden * ctx`` FLOPs), so a
+    token at context ``ctx`` costs ``1 + ctx / L`` with ``L = params / (2 * layers *
+    hidden)``: about 31K tokens for Llama-3.1-8B, 53K for Llama-3.1-70B. Summed over
+    the new tokens that is the formula. ``L`` <= 0: linear (``u``)."""
+    if attention_context_tokens <= 0:
+        return num_uncached
+    return num_uncached * (1.0 + (num_cached + num_uncached / 2) / attention_context_tokens)
 
 
 def hit_tokens(num_blocks: int, block_size: int, num_prompt_tokens: int) -> int:
@@ -90,12 +142,16 @@ def hit_tokens(num_blocks: int, block_size: int, num_prompt_tokens: int) -> int:
 def effective_uncached_tokens(
     overlap: Overlap | None, block_size: int, num_prompt_tokens: int, costs: TierCosts
 ) -> float:
-    """Prefill work this prompt adds on a worker, in GPU-prefill-token equivalents."""
+    """Prefill work this prompt adds on a worker, in GPU-prefill-token equivalents: the
+    tokens it recomputes, weighted for attention (``attention_weighted_tokens``), plus
+    the tier surcharge of the cached ones."""
+    attention = costs.attention_context_tokens
     if overlap is None or overlap.num_blocks == 0:
-        return float(num_prompt_tokens)
+        return attention_weighted_tokens(float(num_prompt_tokens), 0, attention)
     hit = hit_tokens(overlap.num_blocks, block_size, num_prompt_tokens)
+    recomputed = attention_weighted_tokens(float(num_prompt_tokens - hit), hit, attention)
     if overlap.num_gpu == overlap.num_blocks:  # the common case: all on GPU, no surcharge
-        return float(num_prompt_tokens - hit)
+        return recomputed
     hit_blocks = hit // block_size
     # The hit cap trims the run's tail; charge the trimmed blocks' tiers from the end.
     num_cpu, num_disk, num_predicted = overlap.num_cpu, overlap.num_disk, overlap.num_predicted
@@ -107,12 +163,24 @@ def effective_uncached_tokens(
     surcharge = block_size * (
         costs.cpu * num_cpu + costs.disk * num_disk + costs.predicted * num_predicted
     )
-    return float(num_prompt_tokens - hit) + surcharge
+    return recomputed + surcharge
 
 
-def queued_prefill_tokens(load: WorkerLoad) -> int:
+def prefill_progress_tokens(
+    load: WorkerLoad, now: float, seconds_per_prefill_token: float
+) -> float:
+    """Tokens of the oldest in-flight prefill the worker has computed by ``now`` (an
+    estimate at ``seconds_per_prefill_token``; see the module NOTE on ``progress``)."""
+    head = load.prefill_head_tokens
+    if head <= 0 or seconds_per_prefill_token <= 0:
+        return 0.0
+    done = (now - load.prefill_head_since) / seconds_per_prefill_token
+    return head if done >= head else max(0.0, done)
+
+
+def queued_prefill_tokens(load: WorkerLoad, progress_tokens: float = 0.0) -> float:
     """Prefill work ahead of a new request on this worker (see module NOTE)."""
-    return load.prefill_tokens_queued + load.inflight_prefill_tokens
+    return load.prefill_tokens_queued + load.inflight_prefill_tokens - progress_tokens
 
 
 def decode_batch(load: WorkerLoad) -> int:
@@ -134,6 +202,16 @@ def added_work_factor(
     return 1.0 + weight_per_share * (utilization + SHARE_SMOOTHING) / (1.0 - utilization)
 
 
+def recompute_factor(
+    recompute_weight: float, mean_utilization: float, max_utilization: float
+) -> float:
+    """``recompute_weight * rho_mean / (1 - rho_mean)``: what one token weighs that this
+    worker would recompute although another candidate holds it (``rho_mean`` capped at
+    ``max_utilization`` < 1; see the module NOTE on ``recompute``)."""
+    rho = mean_utilization if mean_utilization < max_utilization else max_utilization
+    return recompute_weight * rho / (1.0 - rho)
+
+
 def expected_ttft(
     rates: WorkerRates,
     load: WorkerLoad,
@@ -141,14 +219,26 @@ def expected_ttft(
     added_work_weight: float = 0.0,
     utilization: float = 0.0,
     mean_utilization: float = 0.0,
+    now: float | None = None,
+    recompute_tokens: float = 0.0,
+    recompute_factor: float = 0.0,
 ) -> float:
     """Expected TTFT in seconds, plus the weighted prefill time this request adds (module
-    docstring; ``added_work_factor``). Lower is better.
+    docstring; ``added_work_factor``) and the recompute term (``recompute_tokens``: its
+    uncached tokens beyond the fewest of any candidate; ``recompute_factor``). Lower is
+    better.
 
-    ``utilization`` must be in ``[0, 1)``."""
+    ``utilization`` must be in ``[0, 1)``; ``now`` None: no ``progress`` credit."""
+    progress = (
+        0.0
+        if now is None
+        else prefill_progress_tokens(load, now, rates.seconds_per_prefill_token)
+    )
     work = (
         load.prefill_tokens_queued
         + load.inflight_prefill_tokens
+        - progress
         + uncached_tokens * added_work_factor(added_work_weight, utilization, mean_utilization)
+        + recompute_tokens * recompute_factor
     )
     return rates.predict_ttft(work, max(load.num_running, load.num_inflight))

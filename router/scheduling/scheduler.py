@@ -4,8 +4,9 @@ Life of a request (the router core calls these three, in order, exactly once eac
 ``on_first_token`` may be skipped when the request fails before its first token):
 
 1. ``pick(request, workers)``: filters eligible workers, asks the policy, then commits:
-   the chosen worker's blocks are recorded as predicted in the index (TTL
-   ``prediction_ttl_s``), ``load.num_inflight += 1`` and
+   the chosen worker's blocks are recorded as predicted in the index (until the
+   request's prefill is expected to end there, plus ``prediction_ttl_s``; see
+   ``prediction_lifetime_s``), ``load.num_inflight += 1`` and
    ``load.inflight_prefill_tokens += uncached tokens`` (CPU / disk / predicted blocks
    charged by the policy's ``tier_costs``, the same object its score reads). Nothing
    else writes those fields.
@@ -34,6 +35,7 @@ from router.scheduling.cost_model import (
     decode_batch,
     effective_uncached_tokens,
     hit_tokens,
+    prefill_progress_tokens,
     queued_prefill_tokens,
 )
 from router.scheduling.drift import DriftConfig, DriftStats, DriftTracker
@@ -53,6 +55,7 @@ class Scheduler:
         policy: Policy,
         *,
         prediction_ttl_s: float = 2.0,
+        max_prediction_lifetime_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         rate_prior: RatePrior | None = None,
@@ -62,6 +65,7 @@ class Scheduler:
         self.index = index
         self.policy = policy
         self.prediction_ttl_s = prediction_ttl_s
+        self.max_prediction_lifetime_s = max(prediction_ttl_s, max_prediction_lifetime_s)
         self.clock = clock
         self.rng = rng or random.Random()
         self.rates = RateLearner(prior=rate_prior or RatePrior())
@@ -73,6 +77,7 @@ class Scheduler:
         # what it saves (decision bench, BENCHMARKS.md).
         self.prefix_hashes = PrefixChainCache(prefix_cache_entries)
         # (base root, lora, salt) -> effective namespace; bounded LRU.
+        self._pick_seq = 0  # picks so far: each decision's ``pick_seq``
         self._namespaces: OrderedDict[tuple[int, str | None, str | None], Namespace] = OrderedDict()
 
     # -- public API ------------------------------------------------------------------
@@ -214,6 +219,11 @@ class Scheduler:
             )
         )
         load = chosen.load
+        seconds_per_token = self.rates.rates_of(chosen.worker_id).seconds_per_prefill_token
+        queued_at_pick = queued_prefill_tokens(
+            load, prefill_progress_tokens(load, now, seconds_per_token)
+        )
+        self._pick_seq += 1
         decision = Decision(
             worker_id=chosen.worker_id,
             policy=self.policy.name,
@@ -223,7 +233,8 @@ class Scheduler:
             phase_seconds=ctx.phase_seconds,
             inflight_prefill_tokens=uncached,
             picked_at=now,
-            queued_prefill_tokens_at_pick=queued_prefill_tokens(load),
+            pick_seq=self._pick_seq,
+            queued_prefill_tokens_at_pick=round(queued_at_pick),
             num_running_at_pick=decode_batch(load),
             candidate_scores=ctx.scores,
             load=load,
@@ -235,10 +246,34 @@ class Scheduler:
         start = 0 if overlap is None or overlap.num_predicted else run
         if len(hashes) > start and self.prediction_ttl_s > 0:
             suffix = hashes[start:] if start else hashes
-            self.index.predict(chosen.worker_id, suffix, self.prediction_ttl_s, now)
+            lifetime = self.prediction_lifetime_s(chosen, queued_at_pick + uncached)
+            self.index.predict(chosen.worker_id, suffix, lifetime, now)
         load.num_inflight += 1
         load.inflight_prefill_tokens += uncached
+        if not load.pending_prefills:
+            load.prefill_head_tokens, load.prefill_head_since = uncached, now
+        load.pending_prefills[decision.pick_seq] = uncached
         return decision
+
+    def prediction_lifetime_s(self, chosen: WorkerView, prefill_tokens: float) -> float:
+        """How long the blocks of a request just routed to ``chosen`` count as predicted.
+
+        A predicted block is a hit about to exist: the engine stores it when the
+        request's prefill computes it, and its event reaches the index soon after. So
+        the prediction lives until that prefill is expected to end (``prefill_tokens``:
+        the queue ahead and the request's own uncached tokens, at the worker's learned
+        rates) plus
+        ``prediction_ttl_s`` for the events, capped by ``max_prediction_lifetime_s``.
+
+        NOTE: a fixed short TTL (the old 2 s) let a long prompt's prediction expire
+        while it was still being prefilled: a follow-up sharing 190K tokens then saw a
+        busy worker with nothing cached and recomputed the whole prefix elsewhere.
+        """
+        expected_prefill_s = self.rates.rates_of(chosen.worker_id).predict_ttft(
+            prefill_tokens, decode_batch(chosen.load)
+        )
+        lifetime = self.prediction_ttl_s + max(0.0, expected_prefill_s)
+        return min(lifetime, self.max_prediction_lifetime_s)
 
     def _release_prefill(self, decision: Decision) -> None:
         decision.prefill_released = True
@@ -247,3 +282,9 @@ class Scheduler:
             load.inflight_prefill_tokens = max(
                 0, load.inflight_prefill_tokens - decision.inflight_prefill_tokens
             )
+            pending = load.pending_prefills
+            was_head = next(iter(pending), None) == decision.pick_seq
+            pending.pop(decision.pick_seq, None)
+            if was_head:  # the next oldest starts to be credited now
+                head = next(iter(pending.values()), 0)
+                load.prefill_head_tokens, load.prefill_head_since = head, self.clock()

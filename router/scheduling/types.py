@@ -23,7 +23,9 @@ class WorkerLoad:
     """Load of one worker: engine-reported fields plus this router's own bookkeeping.
 
     Invariant (router side): ``num_inflight`` and ``inflight_prefill_tokens`` are never
-    negative and return to zero when every picked request has finished.
+    negative and return to zero when every picked request has finished;
+    ``inflight_prefill_tokens`` is the sum of ``pending_prefills`` and
+    ``prefill_head_tokens`` its first value (0 when empty).
     """
 
     num_running: int = 0  # engine: requests decoding or prefilling
@@ -32,6 +34,12 @@ class WorkerLoad:
     prefill_tokens_queued: int = 0  # engine-reported (agent LoadReport)
     num_inflight: int = 0  # router-side: this router's in-flight requests there
     inflight_prefill_tokens: int = 0  # router-side: uncached tokens not yet at first token
+    # router-side: the oldest of this router's in-flight prefills there (its uncached
+    # tokens, and since when it is the oldest: its pick, or the release before it)
+    prefill_head_tokens: int = 0
+    prefill_head_since: float = 0.0
+    # router-side: pick number -> uncached tokens of each in-flight prefill, oldest first
+    pending_prefills: dict[int, int] = field(default_factory=dict, repr=False)
     updated_at: float = 0.0  # monotonic time of the last engine report
 
 
@@ -76,6 +84,7 @@ class Decision:
     prefill_released: bool = False
     finished: bool = False
     picked_at: float = 0.0  # scheduler clock at pick
+    pick_seq: int = 0  # the scheduler's pick number (key in ``WorkerLoad.pending_prefills``)
     # Features the rate learner needs at first token, as they were at pick time.
     queued_prefill_tokens_at_pick: int = 0
     num_running_at_pick: int = 0

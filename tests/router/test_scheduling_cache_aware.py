@@ -12,9 +12,11 @@ from kvindex.hashing import Namespace, hash_prompt
 from kvindex.index import PrefixIndex
 from router.scheduling.cost_model import (
     TierCosts,
+    attention_weighted_tokens,
     effective_uncached_tokens,
     expected_ttft,
     hit_tokens,
+    recompute_factor,
 )
 from router.scheduling.policies.cache_aware import CacheAwarePolicy
 from router.scheduling.policy import PickContext
@@ -158,7 +160,7 @@ def test_temperature_samples_near_equal_workers() -> None:
 def test_cost_model_credits(num_prompt_tokens: int) -> None:
     from kvindex.index import Overlap
 
-    costs = TierCosts(cpu=0.5, disk=1.0, predicted=0.0)
+    costs = TierCosts(cpu=0.5, disk=1.0, predicted=0.0, attention_context_tokens=0)
     max_blocks = (num_prompt_tokens - 1) // BLOCK
     gpu = Overlap(num_blocks=10, num_gpu=10, num_cpu=0, num_disk=0, num_predicted=0)
     hit = hit_tokens(10, BLOCK, num_prompt_tokens)
@@ -171,6 +173,20 @@ def test_cost_model_credits(num_prompt_tokens: int) -> None:
     expected = num_prompt_tokens - hit_tokens(2, BLOCK, num_prompt_tokens)
     expected += 0.5 * BLOCK * min(2, max_blocks)
     assert effective_uncached_tokens(cpu, BLOCK, num_prompt_tokens, costs) == expected
+    # with attention: the recomputed tokens weigh 1 + (their context) / L each, on average
+    costs = TierCosts(attention_context_tokens=50.0)
+    recomputed = num_prompt_tokens - hit
+    weighted = recomputed * (1 + (hit + recomputed / 2) / 50.0)
+    assert effective_uncached_tokens(gpu, BLOCK, num_prompt_tokens, costs) == weighted
+
+
+def test_attention_makes_a_long_prompt_cost_more_than_its_tokens() -> None:
+    """Llama-3.1-8B's ``L`` is ~31K: a 126K-token prompt prefills at ~3x its token count,
+    a 2K one at ~1.03x, and a cached prefix makes the recomputed tail dearer per token."""
+    assert attention_weighted_tokens(126_000, 0, 32768) / 126_000 == pytest.approx(2.92, 0.01)
+    assert attention_weighted_tokens(2_000, 0, 32768) / 2_000 == pytest.approx(1.03, 0.01)
+    assert attention_weighted_tokens(1_000, 64_000, 32768) > 2 * 1_000
+    assert attention_weighted_tokens(1_000, 64_000, 0) == 1_000
 
 
 @pytest.mark.parametrize("cpu_cost", [0.0, 0.25, 1.0])
@@ -225,7 +241,16 @@ def test_inlined_scores_equal_the_cost_model_bit_for_bit(rate_sharing: str) -> N
         load.num_running, load.num_inflight = rng.randrange(0, 9), rng.randrange(0, 9)
         load.prefill_tokens_queued = rng.randrange(0, 5000)
         load.inflight_prefill_tokens = rng.randrange(0, 700)
-    sched = scheduler(index, "cache_aware", added_work_weight=0.3, rate_sharing=rate_sharing)
+        if rng.random() < 0.7:  # an oldest in-flight prefill, partly or wholly computed
+            load.prefill_head_tokens = rng.randrange(1, load.inflight_prefill_tokens + 2)
+            load.prefill_head_since = rng.uniform(7.3, 7.5)
+    sched = scheduler(
+        index,
+        "cache_aware",
+        added_work_weight=0.3,
+        rate_sharing=rate_sharing,
+        attention_context_tokens=300.0,  # the inlined attention weighting too
+    )
     for _ in range(70):  # w3 learned (and distinct: 10x slower than w2), w2 learned
         sched.rates.observe(workers[3].worker_id, prefill_tokens=900, num_running=2, ttft_s=4.0)
         sched.rates.observe(workers[2].worker_id, prefill_tokens=900, num_running=2, ttft_s=0.4)
@@ -247,18 +272,18 @@ def test_inlined_scores_equal_the_cost_model_bit_for_bit(rate_sharing: str) -> N
     rates = [policy.scoring_rates(sched.rates, w.worker_id) for w in workers]
     num_distinct = len({id(r) for r in rates})
     assert num_distinct == {"auto": 2, "pooled": 1, "per_worker": 4}[rate_sharing]
+    uncached = [
+        effective_uncached_tokens(overlaps.get(w.worker_id), BLOCK, len(prompt), policy.tier_costs)
+        for w in workers
+    ]
+    mean_rho = policy.mean_utilization(ctx)
+    recompute = recompute_factor(policy.recompute_weight, mean_rho, policy.busy.max_utilization)
+    assert recompute > 0
     expected = [
         expected_ttft(
-            worker_rates,
-            w.load,
-            effective_uncached_tokens(
-                overlaps.get(w.worker_id), BLOCK, len(prompt), policy.tier_costs
-            ),
-            0.3,
-            rho,
-            policy.mean_utilization(ctx),
+            worker_rates, w.load, u, 0.3, rho, mean_rho, now, u - min(uncached), recompute
         )
-        for w, rho, worker_rates in zip(workers, rhos, rates, strict=True)
+        for w, rho, worker_rates, u in zip(workers, rhos, rates, uncached, strict=True)
     ]
     assert policy.expected_ttfts(ctx) == expected
     assert len(set(expected)) == len(workers)  # the case is not degenerate
@@ -290,6 +315,7 @@ def test_inlined_scores_with_interleaved_namespaces() -> None:
                 ctx.overlap(w), w.namespace.block_size, len(prompt), policy.tier_costs
             ),
             policy.added_work_weight,
+            now=0.0,
         )
         for w in workers
     ]
@@ -371,3 +397,65 @@ def test_busy_worker_keeps_a_mostly_cached_request() -> None:
     # The same worker loses an uncached request to an idle one.
     decision = sched.pick(request(tokens(12, 64 * BLOCK)), workers)
     assert decision is not None and decision.worker_id != "w2"
+
+
+def test_a_long_prefill_in_flight_keeps_its_prediction_until_it_should_end() -> None:
+    """The Mooncake probe: a 100K-token prompt, then 10 s later a prompt sharing all but
+    its tail. The first is still being prefilled (20 s at the prior's rate), so its
+    blocks are a hit about to exist: the follow-up queues behind it on the same worker
+    instead of recomputing the prefix on an idle one. After the expected end plus
+    ``prediction_ttl_s`` without events, the prediction is gone."""
+    index, workers = make_fleet(4)
+    now = [0.0]
+    sched = Scheduler(index, CacheAwarePolicy(), rng=random.Random(3), clock=lambda: now[0])
+    document = tokens(7, 6250 * BLOCK)
+    first = sched.pick(request(document), workers)
+    assert first is not None
+    expected_end = sched.rates.rates_of(first.worker_id).predict_ttft(len(document), 0)
+    assert expected_end > 10.0 > sched.prediction_ttl_s
+    now[0] = 10.0
+    follow_up = [*document[: 6200 * BLOCK], *tokens(8, 40 * BLOCK)]
+    second = sched.pick(request(follow_up), workers)
+    assert second is not None and second.worker_id == first.worker_id
+    assert second.predicted_cached_tokens == 6200 * BLOCK
+    finish(sched, second)
+    finish(sched, first)
+
+
+@pytest.mark.parametrize("num_blocks", [20, 6250])
+def test_a_prediction_lives_until_the_expected_prefill_end_plus_the_ttl(
+    num_blocks: int,
+) -> None:
+    index, workers = make_fleet(2)
+    sched = Scheduler(index, CacheAwarePolicy(), clock=lambda: 0.0)
+    document = tokens(9, num_blocks * BLOCK)
+    decision = sched.pick(request(document), workers)
+    assert decision is not None
+    work = decision.inflight_prefill_tokens
+    end = sched.rates.rates_of(decision.worker_id).predict_ttft(work, 0)
+    lifetime = min(end + sched.prediction_ttl_s, sched.max_prediction_lifetime_s)
+    hashes = hash_prompt(NS, document)
+    assert index.lookup(hashes, lifetime - 0.1)[decision.worker_id].num_predicted == num_blocks
+    assert index.lookup(hashes, lifetime + 0.1) == {}
+
+
+@pytest.mark.parametrize(("recompute_weight", "busy_s", "stays"), [
+    (3.0, 48.0, True),  # near saturation (rho 0.8): the re-prefill costs more than the queue
+    (0.0, 48.0, False),  # the term off: the queue alone decides, and the history moves
+    (3.0, 0.0, False),  # light load (rho 0): moving is free, the queue decides
+])  # fmt: skip
+def test_a_conversation_leaves_its_worker_only_when_the_queue_costs_more_than_the_re_prefill(
+    recompute_weight: float, busy_s: float, stays: bool
+) -> None:
+    index, workers = make_fleet(2)
+    history = tokens(11, 62 * BLOCK)
+    store(index, "w0", history[: 60 * BLOCK])
+    workers[0].load.prefill_tokens_queued = 5000  # more than one re-prefill of the history
+    sched = scheduler(index, "cache_aware", recompute_weight=recompute_weight)
+    policy = sched.policy
+    assert isinstance(policy, CacheAwarePolicy) and policy.busy is not None
+    for worker in workers:
+        policy.busy.add(worker.worker_id, busy_s, now=0.0)
+    decision = sched.pick(request(history), workers)
+    assert decision is not None
+    assert (decision.worker_id == "w0") is stays

@@ -1,7 +1,8 @@
 """Property tests over random fleets, loads, requests and every policy.
 
 - the decision is always an eligible worker (or None exactly when none is eligible);
-- router-side load returns to zero after on_first_token + on_finish of every pick,
+- router-side load returns to zero after on_first_token + on_finish of every pick (the
+  pending prefills sum to the in-flight prefill tokens, the oldest is the head),
   in any interleaving, and never goes negative;
 - the index's invariants hold after the scheduler's predictions.
 """
@@ -91,13 +92,19 @@ def test_decisions_are_eligible_and_load_returns_to_zero(
                 sched.on_first_token(done, rng.uniform(0.0, 2.0))
             sched.on_finish(done, num_cached_tokens=rng.randrange(0, 200), ok=rng.random() < 0.9)
         for worker in workers:
-            assert worker.load.num_inflight >= 0 and worker.load.inflight_prefill_tokens >= 0
+            load = worker.load
+            assert load.num_inflight >= 0 and load.inflight_prefill_tokens >= 0
+            # the pending prefills are the in-flight ones, the oldest is the head
+            pending = list(load.pending_prefills.values())
+            assert sum(pending) == load.inflight_prefill_tokens
+            assert load.prefill_head_tokens == (pending[0] if pending else 0)
         index.check_invariants()
     for done in live:
         sched.on_first_token(done, 0.1)
         sched.on_finish(done, num_cached_tokens=None, ok=False)
     for worker in workers:
         assert (worker.load.num_inflight, worker.load.inflight_prefill_tokens) == (0, 0)
+        assert (worker.load.pending_prefills, worker.load.prefill_head_tokens) == ({}, 0)
 
 
 @settings(max_examples=20, deadline=None)

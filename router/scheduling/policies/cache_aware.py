@@ -1,9 +1,10 @@
 """``cache_aware``: the worker with the lowest expected time to first token.
 
-For each candidate, ``cost_model.expected_ttft``: the prefill already queued there plus
-this prompt's tokens it has not cached (CPU/disk-tier and predicted blocks charged a
-fraction), times its learned seconds per prefill token, plus its overhead and a
-decode-load term (see ``router.scheduling.cost_model`` for the formula).
+For each candidate, ``cost_model.expected_ttft``: the prefill already queued there (less
+what the worker has computed of the oldest in-flight one) plus this prompt's tokens it
+has not cached (CPU/disk-tier and predicted blocks charged a fraction), times its
+learned seconds per prefill token, plus its overhead and a decode-load term (see
+``router.scheduling.cost_model`` for the formula).
 
 To that TTFT the score adds ``added_work_weight x share / (1 - rho) x uncached x
 seconds_per_prefill_token``: the prefill this request adds delays later requests on that
@@ -11,6 +12,12 @@ worker and evicts blocks there, which a pure TTFT greedy ignores, and both cost 
 a worker that has lately taken more than its share (``rho``: its recent utilisation by
 the prefill this router sent it, ``RecentUtilization`` over ``busy_window_s``; ``share``:
 rho over the candidates' mean; see ``cost_model``).
+
+A third term prices recomputing what another candidate holds: ``recompute_weight x
+rho_mean / (1 - rho_mean) x (uncached - least uncached of any candidate) x
+seconds_per_prefill_token`` (``cost_model``'s NOTE on ``recompute``): a conversation
+leaves the worker holding its history only when the queue there costs more than the
+re-prefills the move causes, which near saturation is rarely.
 
 NOTE: without the added-work term a burst of requests on one new long prefix is a
 wash for TTFT (the second request waits for the first's prefill either way) and the
@@ -38,7 +45,9 @@ from router.scheduling.cost_model import (
     DEFAULT_TIER_COSTS,
     SHARE_SMOOTHING,
     TierCosts,
+    attention_weighted_tokens,
     effective_uncached_tokens,
+    recompute_factor,
 )
 from router.scheduling.policy import (
     BasePolicy,
@@ -69,11 +78,15 @@ class CacheAwarePolicy(BasePolicy):
         added_work_weight: float = 0.5,
         busy_window_s: float = 60.0,
         rate_sharing: str = "auto",
+        recompute_weight: float = 3.0,
     ) -> None:
         if temperature < 0:
             raise ValueError("temperature must be >= 0")
         if added_work_weight < 0:
             raise ValueError("added_work_weight must be >= 0")
+        if recompute_weight < 0:
+            raise ValueError("recompute_weight must be >= 0")
+        self.recompute_weight = recompute_weight
         if busy_window_s < 0:
             raise ValueError("busy_window_s must be >= 0")
         self.tier_costs = tier_costs  # also the Scheduler's (see Policy.tier_costs)
@@ -141,6 +154,7 @@ class CacheAwarePolicy(BasePolicy):
         block size), not once per worker.
         """
         num_prompt_tokens = len(ctx.request.prompt_token_ids)
+        now = ctx.now
         max_hit_tokens = num_prompt_tokens - 1  # vLLM always computes the last token
         learner = ctx.rates
         worker_to_rates = self.own_rates(learner)
@@ -162,19 +176,22 @@ class CacheAwarePolicy(BasePolicy):
         else:
             scaled_values, mean_rho = [0.0] * len(ctx.candidates), 0.0
         weight_per_share = self.added_work_weight / (mean_rho + eps)
-        scores: list[float] = []
-        append = scores.append
+        recompute = recompute_factor(self.recompute_weight, mean_rho, max_rho)
+        # pass 1: each candidate's uncached work (the recompute term needs their minimum)
+        attention = costs.attention_context_tokens
+        no_hit = attention_weighted_tokens(float(num_prompt_tokens), 0, attention)
+        uncached_values: list[float] = []
+        append_uncached = uncached_values.append
         root_to_overlaps: dict[int, dict[WorkerId, Overlap]] = {}  # one lookup per namespace
         # (id of the Overlap or of None, block size) -> uncached tokens; the overlaps
         # live in ``root_to_overlaps`` for the whole loop, so ids are not reused.
         uncached_memo: dict[tuple[int, int], float] = {}
-        token_scale, running_scale = TOKEN_SCALE, RUNNING_SCALE
         # NOTE: the fleet usually shares one namespace object, so the group's overlaps
         # are fetched again only when the namespace object changes (an ``is`` test).
         last_namespace: Namespace | None = None
         overlaps: dict[WorkerId, Overlap] = {}
         block_size = 0
-        for worker, scaled in zip(ctx.candidates, scaled_values, strict=True):
+        for worker in ctx.candidates:
             namespace = worker.namespace
             if namespace is not last_namespace:
                 last_namespace, block_size = namespace, namespace.block_size
@@ -182,14 +199,16 @@ class CacheAwarePolicy(BasePolicy):
                 if found is None:
                     found = root_to_overlaps[namespace.root] = ctx.overlaps(worker)
                 overlaps = found
-            worker_id = worker.worker_id
-            overlap = overlaps.get(worker_id)
+            overlap = overlaps.get(worker.worker_id)
             if overlap is None:
-                uncached = float(num_prompt_tokens)
+                append_uncached(no_hit)
             elif overlap.num_gpu == overlap.num_blocks and max_hit_tokens >= 0:
                 # all on GPU: effective_uncached_tokens' first branch, without the call
-                hit_blocks = min(overlap.num_blocks, max_hit_tokens // block_size)
-                uncached = float(num_prompt_tokens - hit_blocks * block_size)
+                hit = min(overlap.num_blocks, max_hit_tokens // block_size) * block_size
+                recomputed = float(num_prompt_tokens - hit)
+                if attention > 0:  # attention_weighted_tokens, inlined
+                    recomputed = recomputed * (1.0 + (hit + recomputed / 2) / attention)
+                append_uncached(recomputed)
             else:
                 key = (id(overlap), block_size)
                 memo = uncached_memo.get(key)
@@ -197,9 +216,17 @@ class CacheAwarePolicy(BasePolicy):
                     memo = uncached_memo[key] = effective_uncached_tokens(
                         overlap, block_size, num_prompt_tokens, costs
                     )
-                uncached = memo
+                append_uncached(memo)
+        least_uncached = min(uncached_values)
+        # pass 2: the scores
+        scores: list[float] = []
+        append = scores.append
+        token_scale, running_scale = TOKEN_SCALE, RUNNING_SCALE
+        for worker, scaled, uncached in zip(
+            ctx.candidates, scaled_values, uncached_values, strict=True
+        ):
             if worker_to_rates:  # some worker reads its own rates
-                rates = worker_to_rates.get(worker_id) or shared_rates
+                rates = worker_to_rates.get(worker.worker_id) or shared_rates
                 theta_0, theta_1, theta_2 = rates.theta
                 per_token, per_running = theta_1 / token_scale, theta_2 / running_scale
             rho = scaled * busy_scale
@@ -207,7 +234,12 @@ class CacheAwarePolicy(BasePolicy):
                 rho = max_rho
             factor = 1.0 + weight_per_share * (rho + eps) / (1.0 - rho)
             load = worker.load
-            work = load.prefill_tokens_queued + load.inflight_prefill_tokens + uncached * factor
+            work: float = load.prefill_tokens_queued + load.inflight_prefill_tokens
+            head = load.prefill_head_tokens
+            if head > 0 and per_token > 0:  # cost_model.prefill_progress_tokens, inlined
+                done = (now - load.prefill_head_since) / per_token
+                work = work - (head if done >= head else max(0.0, done))
+            work = work + uncached * factor + (uncached - least_uncached) * recompute
             running = load.num_running
             num_inflight = load.num_inflight
             if num_inflight > running:  # max(), without the call
@@ -226,6 +258,7 @@ def _create(params: Mapping[str, ParamValue]) -> CacheAwarePolicy:
         cpu=float(params["cpu_cost"]),
         disk=float(params["disk_cost"]),
         predicted=float(params["predicted_cost"]),
+        attention_context_tokens=float(params["attention_context_tokens"]),
     )
     return CacheAwarePolicy(
         tier_costs=tier_costs,
@@ -233,6 +266,7 @@ def _create(params: Mapping[str, ParamValue]) -> CacheAwarePolicy:
         added_work_weight=float(params["added_work_weight"]),
         busy_window_s=float(params["busy_window_s"]),
         rate_sharing=str(params["rate_sharing"]),
+        recompute_weight=float(params["recompute_weight"]),
     )
 
 
@@ -243,6 +277,14 @@ SPEC = PolicySpec(
         ParamSpec("cpu_cost", float, 0.25, "cost of a CPU-tier cached token (1 = prefill)"),
         ParamSpec("disk_cost", float, 0.5, "cost of a disk-tier cached token (1 = prefill)"),
         ParamSpec("predicted_cost", float, 0.1, "cost of a predicted, unconfirmed cached token"),
+        ParamSpec(
+            "attention_context_tokens",
+            float,
+            0.0,
+            "context length at which a token's attention costs as much as the rest of its "
+            "prefill (about params / (2 x layers x hidden), e.g. 32768 for an 8B model; "
+            "0: cost linear in tokens)",
+        ),
         ParamSpec("temperature", float, 0.0, "softmax temperature in seconds (0: always the best)"),
         ParamSpec(
             "added_work_weight",
@@ -256,6 +298,13 @@ SPEC = PolicySpec(
             60.0,
             "window (s) of each worker's recent utilisation, which scales the added-work "
             "weight by 1 / (1 - utilisation); 0 turns it off",
+        ),
+        ParamSpec(
+            "recompute_weight",
+            float,
+            3.0,
+            "weight of recomputing tokens another candidate holds, times the fleet's "
+            "utilisation / (1 - utilisation) (0: off)",
         ),
         ParamSpec(
             "rate_sharing",
