@@ -147,7 +147,9 @@ def bench_scheduler(
         scheduler.prefix_hashes = PrefixChainCache(prefix_cache_entries)
 
     def one(i: int) -> dict[str, float]:
-        clock.now += 1.0  # the previous pick's predictions (TTL 2 s) expire in turn
+        # one pick a second: a pick's predictions live its expected prefill plus 2 s
+        # (Scheduler.prediction_lifetime_s), so a few picks' predictions are live
+        clock.now += 1.0
         request = RoutingRequest(MODEL, None, None, queries[i % len(queries)], None, 64)
         decision = scheduler.pick(request, workers)
         assert decision is not None
