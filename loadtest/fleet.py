@@ -156,6 +156,9 @@ class WorkerEndpoint:
     zmq_port: int
     replay_port: int
     agent_port: int
+    # False: no agent, and the engine advertises no KV events (a stock engine with
+    # events off): the router routes it by its own history
+    has_events: bool = True
 
     @property
     def url(self) -> str:
@@ -168,6 +171,8 @@ class WorkerEndpoint:
     @property
     def router_spec(self) -> str:
         """This worker as a ``kvroute router --worker`` value."""
+        if not self.has_events:
+            return f"{self.url},id={self.worker_id}"
         return f"{self.url},agent={self.agent_url},id={self.worker_id}"
 
 
@@ -185,6 +190,17 @@ class FleetConfig:
     startup_timeout_s: float = 60.0
     log_dir: Path | None = None
     num_routers: int = 1  # replicas over the same workers, each with its own index
+    # simulator GPU profiles, cycled over the workers (a heterogeneous fleet); empty:
+    # the simulator's default, or a --gpu-profile in worker_args
+    gpu_profiles: list[str] = field(default_factory=list)
+    # the last this many simulated workers run without agent and advertise no KV events
+    workers_without_events: int = 0
+
+    def gpu_profile_of(self, worker_index: int) -> str | None:
+        """The ``--gpu-profile`` worker ``worker_index`` gets (None: not set here)."""
+        if not self.gpu_profiles:
+            return None
+        return self.gpu_profiles[worker_index % len(self.gpu_profiles)]
 
 
 def add_fleet_arguments(parser: argparse.ArgumentParser, *, startup_timeout_s: float) -> None:
@@ -211,12 +227,37 @@ def add_fleet_arguments(parser: argparse.ArgumentParser, *, startup_timeout_s: f
         default=[],
         help="extra argument for the router (repeatable)",
     )
+    add_gpu_profiles_argument(parser)
     parser.add_argument("--startup-timeout-s", type=float, default=startup_timeout_s)
     parser.add_argument(
         "--routers",
         type=int,
         default=1,
         help="router replicas over the same workers (clients spread requests across them)",
+    )
+
+
+def gpu_profiles_arg(text: str) -> list[str]:
+    """``--gpu-profiles`` value: comma-separated simulator profiles, each one known."""
+    from worker.sim.timing import get_gpu_profile
+
+    profiles = [name.strip() for name in text.split(",") if name.strip()]
+    try:
+        for name in profiles:
+            get_gpu_profile(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return profiles
+
+
+def add_gpu_profiles_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--gpu-profiles",
+        type=gpu_profiles_arg,
+        default=[],
+        help="simulated workers' GPU profiles, comma-separated, cycled over the workers "
+        "(a heterogeneous fleet, e.g. h100-llama3.1-8b,a100-llama3.1-8b; default: the "
+        "simulator's)",
     )
 
 
@@ -232,6 +273,7 @@ def fleet_config_from_args(args: argparse.Namespace) -> FleetConfig:
         router_args=list(args.router_arg),
         startup_timeout_s=args.startup_timeout_s,
         num_routers=args.routers,
+        gpu_profiles=list(args.gpu_profiles),
     )
 
 
@@ -290,19 +332,22 @@ class Fleet:
 
     def start_workers(self) -> None:
         """Start ``num_workers`` workers and wait until each engine and agent is ready."""
+        first_without_events = self.config.num_workers - self.config.workers_without_events
         for index in range(self.config.num_workers):
             endpoint = WorkerEndpoint(
-                f"w{index}", free_port(), free_port(), free_port(), free_port()
-            )
+                f"w{index}", free_port(), free_port(), free_port(), free_port(),
+                has_events=index < first_without_events,
+            )  # fmt: skip
             self.workers.append(endpoint)
             self._worker_children.append(
-                self._spawn(endpoint.worker_id, self._worker_argv(endpoint))
+                self._spawn(endpoint.worker_id, self.worker_argv(endpoint))
             )
         deadline = time.monotonic() + self.config.startup_timeout_s
         for endpoint, child in zip(self.workers, self._worker_children, strict=True):
             self._wait_ready(child, [endpoint.url + "/health"], deadline)
-            agent_urls = [endpoint.agent_url + "/ready", endpoint.agent_url + "/health"]
-            self._wait_ready(child, agent_urls, deadline)
+            if endpoint.has_events:
+                agent_urls = [endpoint.agent_url + "/ready", endpoint.agent_url + "/health"]
+                self._wait_ready(child, agent_urls, deadline)
 
     def start_router(self, policy: str, extra_args: list[str] | None = None) -> str:
         """Start ``num_routers`` routers with ``policy`` over the fleet's workers; returns
@@ -399,7 +444,7 @@ class Fleet:
                 blocks = num_gpu_blocks_from_metrics(http_text(endpoint.url + "/metrics"))
                 if blocks is not None:
                     return blocks
-        for endpoint in self.workers:
+        for endpoint in (w for w in self.workers if w.has_events):
             with contextlib.suppress(OSError, ValueError):
                 value = json.loads(http_text(endpoint.agent_url + "/v1/info")).get("num_gpu_blocks")
                 if isinstance(value, int):
@@ -413,14 +458,15 @@ class Fleet:
         from worker.sim.timing import DEFAULT_GPU_PROFILE, GPU_PROFILES
 
         args = self.config.worker_args
-        profile = DEFAULT_GPU_PROFILE
+        profile = self.config.gpu_profile_of(0) or DEFAULT_GPU_PROFILE
         if "--gpu-profile" in args[:-1]:
             profile = args[args.index("--gpu-profile") + 1]
+        # NOTE: the first worker's; the shipped profiles all have 80 GB of GPU memory
         return GPU_PROFILES[profile].default_num_gpu_blocks(self.config.block_size)
 
     # -- internal helpers ---------------------------------------------------------
 
-    def _worker_argv(self, endpoint: WorkerEndpoint) -> list[str]:
+    def worker_argv(self, endpoint: WorkerEndpoint) -> list[str]:
         from worker.models import model_dir
 
         common = [
@@ -432,8 +478,16 @@ class Fleet:
         ]  # fmt: skip
         if self.config.num_gpu_blocks is not None:
             common += ["--num-gpu-blocks", str(self.config.num_gpu_blocks)]
+        profile = self.config.gpu_profile_of(self.workers.index(endpoint))
+        if profile is not None and self.config.engine == "sim":
+            common += ["--gpu-profile", profile]
         argv = kvroute_command("worker", "--engine", self.config.engine, *common)
-        argv += ["--agent-port", str(endpoint.agent_port)]
+        if endpoint.has_events:
+            argv += ["--agent-port", str(endpoint.agent_port)]
+        elif self.config.engine == "sim":
+            argv += ["--no-agent", "--hide-kv-events"]
+        else:
+            raise FleetError("workers without events are simulated workers only")
         if self.config.engine == "vllm":
             # NOTE: dev mode serves POST /reset_prefix_cache (the runner clears caches between
             # policies); on the CPU build each engine gets its own core and 1 GiB of KV.

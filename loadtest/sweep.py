@@ -36,7 +36,7 @@ from loadtest.compare import (
     fleet_capacity_blocks,
     run_policies,
 )
-from loadtest.fleet import Fleet, FleetConfig, FleetError
+from loadtest.fleet import Fleet, FleetConfig, FleetError, add_gpu_profiles_argument
 from loadtest.peers import parse_peer_spec
 from loadtest.plotting import import_pyplot
 from loadtest.report import without_nan
@@ -192,6 +192,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="re-render the report from a sweep.json instead of running",
     )
     parser.add_argument("--num-gpu-blocks", type=int, default=None)
+    add_gpu_profiles_argument(parser)
+    parser.add_argument(
+        "--workers-without-events",
+        type=int,
+        default=0,
+        help="the last N workers run without agent and advertise no KV events (a stock "
+        "engine with events off): the router routes them by its own history",
+    )
     parser.add_argument("--worker-arg", action="append", default=[])
     parser.add_argument("--router-arg", action="append", default=[])
     parser.add_argument("--request-timeout-s", type=float, default=120.0)
@@ -200,7 +208,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
-def _fleet_config(args: argparse.Namespace) -> FleetConfig:
+def fleet_config_of(args: argparse.Namespace) -> FleetConfig:
     """Simulated workers at the sweep's speed-up, with room for the trace's longest prompts."""
     return FleetConfig(
         num_workers=args.workers,
@@ -216,13 +224,15 @@ def _fleet_config(args: argparse.Namespace) -> FleetConfig:
         ],
         router_args=list(args.router_arg),
         startup_timeout_s=120.0,
+        gpu_profiles=list(args.gpu_profiles),
+        workers_without_events=args.workers_without_events,
     )
 
 
 def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     loads = [float(x) for x in args.loads.split(",")]
     policies = ALL_POLICIES if args.policies == "all" else tuple(args.policies.split(","))
-    fleet_config = _fleet_config(args)
+    fleet_config = fleet_config_of(args)
     base_params = {
         "path": args.trace,
         "num_requests": str(args.num_requests),
@@ -263,11 +273,26 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "rows": rows,
         "notes": [f"peer {name}: {text}" for name, text in peer_notes.items()]
-        + ([TEXT_PROMPTS_NOTE] if peers else []),
+        + ([TEXT_PROMPTS_NOTE] if peers else [])
+        + ([gpu_profiles_note(fleet_config)] if fleet_config.gpu_profiles else [])
+        + (
+            [f"{fleet_config.workers_without_events} worker(s) without KV events (the last)"]
+            if fleet_config.workers_without_events
+            else []
+        ),
         "ceiling": ceiling,
         "capacity_blocks": capacity,
         "wall_s": time.monotonic() - started,
     }
+
+
+def gpu_profiles_note(config: FleetConfig) -> str:
+    """The fleet's GPU profiles per worker, for the report."""
+    profiles = [config.gpu_profile_of(i) for i in range(config.num_workers)]
+    counts = {name: profiles.count(name) for name in dict.fromkeys(profiles)}
+    return "GPU profiles (cycled over the workers): " + ", ".join(
+        f"{count} x {name}" for name, count in counts.items()
+    )
 
 
 def goodputs(

@@ -94,6 +94,7 @@ def create_app(
         create_policy(config.policy, config.policy_params),
         prediction_ttl_s=config.prediction_ttl_s,
         max_prediction_lifetime_s=config.max_prediction_lifetime_s,
+        eventless_prediction_ttl_s=config.eventless_prediction_ttl_s,
     )
     queue = AdmissionQueue(config.queue_size, config.queue_timeout_s, metrics.queue_depth.set)
     fleet.add_listener(queue.notify)
@@ -299,7 +300,12 @@ async def _tokenizer_threads(app: web.Application) -> AsyncIterator[None]:
 
 async def _subscriptions(app: web.Application) -> AsyncIterator[None]:
     manager = SubscriptionManager(
-        app[SESSION], app[INDEX], app[FLEET], app[METRICS], app[CONFIG].agent_token
+        app[SESSION],
+        app[INDEX],
+        app[FLEET],
+        app[METRICS],
+        app[CONFIG].agent_token,
+        event_source_recheck_s=app[CONFIG].event_source_recheck_s,
     )
     app[SUBSCRIPTIONS] = manager
     app[FLEET].subscriber = manager

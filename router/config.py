@@ -306,7 +306,7 @@ class RouterConfig:
     prediction_ttl_s: float = option(
         2.0,
         "seconds a routed request's blocks count as predicted after its prefill is "
-        "expected to end there (0: no predictions)",
+        "expected to end there (0: none, except on workers without KV events)",
         minimum=0,
     )
     max_prediction_lifetime_s: float = option(
@@ -314,6 +314,19 @@ class RouterConfig:
         "longest time a routed request's blocks count as predicted (a long prefill's "
         "expected end is capped here)",
         minimum=0,
+    )
+    eventless_prediction_ttl_s: float = option(
+        300.0,
+        "seconds a routed request's blocks count as cached on a worker whose KV events do "
+        "not reach the router (stream down, or events off): its index is then this "
+        "router's routing history",
+        minimum=0,
+    )
+    event_source_recheck_s: float = option(
+        30.0,
+        "seconds between asking a worker that advertises no KV events (no agent, "
+        "/kv_event_sources empty) again, so its events are followed once turned on",
+        minimum=0.01,
     )
     session_header: str = option(
         "x-session-id", "header carrying the session key (else the 'user' field)"

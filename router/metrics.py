@@ -299,6 +299,12 @@ class _FleetCollector(Collector):
         blocks = GaugeMetricFamily(
             _PREFIX + "index_blocks", "Blocks the index holds for the worker", labels=["worker"]
         )
+        events_live = GaugeMetricFamily(
+            _PREFIX + "worker_events_live",
+            "1 while the worker's KV events reach the index; 0: routed by this router's "
+            "own history",
+            labels=["worker"],
+        )
         last_sync = GaugeMetricFamily(
             _PREFIX + "index_last_sync_timestamp_seconds",
             "Unix time the worker's index entries were last rebuilt from a snapshot",
@@ -311,6 +317,7 @@ class _FleetCollector(Collector):
             kv_usage.add_metric([w], float(view.load.kv_usage))
             healthy.add_metric([w], 1.0 if view.healthy else 0.0)
             blocks.add_metric([w], float(self._blocks_of(w)))
+            events_live.add_metric([w], 1.0 if view.events_live else 0.0)
             synced_at = self._last_index_sync.get(w)
             if synced_at is not None:
                 last_sync.add_metric([w], synced_at)
@@ -320,7 +327,8 @@ class _FleetCollector(Collector):
             "started; use the counters' rates for a windowed ratio",
         )
         ratio.add_metric([], self._hit_ratio())
-        return [*(family for _, family in loads), kv_usage, healthy, blocks, last_sync, ratio]
+        families = [kv_usage, healthy, blocks, events_live, last_sync, ratio]
+        return [*(family for _, family in loads), *families]
 
     def describe(self) -> Iterable[Metric]:
         return []

@@ -248,6 +248,7 @@ class WorkerRegistry:
             loras=frozenset(),
             max_concurrency=spec.max_concurrency or self._config.max_concurrency or None,
             load=WorkerLoad(),
+            events_live=False,  # until its event stream syncs (router.subscriptions)
         )
         engine = engine_adapter(spec.engine)
         self.workers[worker_id] = RegisteredWorker(spec=spec, view=view, engine=engine)

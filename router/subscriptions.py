@@ -56,6 +56,8 @@ class IndexFeed:
         self.num_snapshots = 0  # snapshots applied (each one a resync)
         self._block_size_confirmed = False  # an event has shown the engine's block size
         self.synced = asyncio.Event()  # set once the index holds the worker's state
+        # the worker's events reach the index (mirrors ``WorkerView.events_live``)
+        self.events_live = False
 
     def on_snapshot(self, epoch: Epoch, seq: StreamSeq, events: Sequence[BlockStored]) -> None:
         if events and not self._block_size_confirmed:
@@ -66,6 +68,7 @@ class IndexFeed:
             self._index.apply(self.worker_id, event, now)
         self.num_snapshots += 1
         self._metrics.note_index_sync(self.worker_id, time.time())
+        self.set_events_live(True)
         self.synced.set()
         self._events_applied.inc(len(events))
         log.info(
@@ -92,8 +95,29 @@ class IndexFeed:
 
     def on_disconnect(self) -> None:
         log.info("worker %s: event stream disconnected", self.worker_id)
+        self.set_events_live(False)
+
+    def set_events_live(self, live: bool) -> None:
+        """Whether the worker's index entries follow its events (see ``WorkerView``)."""
+        if live == self.events_live:
+            return
+        self.events_live = live
+        worker = self._fleet.workers.get(self.worker_id)
+        if worker is None:
+            return
+        worker.view.events_live = live
+        if live:
+            log.info("worker %s: events live, the index follows the engine", self.worker_id)
+        else:
+            log.warning(
+                "worker %s: no KV events, routed by this router's own history until "
+                "they return",
+                self.worker_id,
+            )
 
     def apply_batch(self, batch: EventBatch) -> None:
+        if not self.events_live:  # a stream resumed after a disconnect, without a snapshot
+            self.set_events_live(True)
         if not self._block_size_confirmed:
             for event in batch.events:
                 if isinstance(event, BlockStored):
@@ -125,12 +149,16 @@ class SubscriptionManager:
         fleet: Fleet,
         metrics: RouterMetrics,
         agent_token: str | None,
+        *,
+        event_source_recheck_s: float = 30.0,
     ) -> None:
         self._session = session
         self._index = index
         self._fleet = fleet
         self._metrics = metrics
         self._agent_token = agent_token
+        # how often a worker that advertises no KV events is asked again
+        self._event_source_recheck_s = event_source_recheck_s
         self._zmq = zmq.asyncio.Context()
         self.tasks: dict[WorkerId, asyncio.Task[None]] = {}
         self.feeds: dict[WorkerId, IndexFeed] = {}
@@ -194,12 +222,14 @@ class SubscriptionManager:
                         worker.spec.url,
                         feed,
                         worker.engine.kv_event_sources_path,
+                        no_source_recheck_s=self._event_source_recheck_s,
                     ).run()
                 attempt = 0
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.warning("worker %s: subscription failed: %r", feed.worker_id, exc)
+                feed.set_events_live(False)
             delay = _RESTART_BACKOFF_S[min(attempt, len(_RESTART_BACKOFF_S) - 1)]
             attempt += 1
             await asyncio.sleep(delay)

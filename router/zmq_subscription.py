@@ -73,6 +73,10 @@ class EventFeed(Protocol):
         """Forget every block of the worker."""
         ...
 
+    def set_events_live(self, live: bool) -> None:
+        """The worker's events reach the index (True) or cannot (False)."""
+        ...
+
 
 class ZmqSubscription:
     """One worker's direct ZMQ subscription; ``run()`` until cancelled."""
@@ -84,8 +88,11 @@ class ZmqSubscription:
         engine_url: str,
         feed: EventFeed,
         sources_path: str = "/kv_event_sources",
+        *,
+        no_source_recheck_s: float = 30.0,
     ) -> None:
         self._session = session
+        self._no_source_recheck_s = no_source_recheck_s
         self._context = context
         self._engine_url = engine_url
         self._sources_path = sources_path  # the engine adapter's, e.g. vLLM's
@@ -98,9 +105,10 @@ class ZmqSubscription:
 
     async def run(self) -> None:
         sources = await self._sources()
-        if sources is None:  # the engine publishes no KV events: nothing to follow
+        if sources is None:  # the engine publishes no KV events: nothing to follow now
+            self._feed.set_events_live(False)
             self._feed.synced.set()
-            await asyncio.Event().wait()
+            await asyncio.sleep(self._no_source_recheck_s)  # then the caller asks again
             return
         endpoint, self._replay_endpoint, topic = sources
         sub = self._context.socket(zmq.SUB)
@@ -113,6 +121,7 @@ class ZmqSubscription:
             async with self._lock:
                 self._feed.purge()
                 await self._sync_from_replay()
+            self._feed.set_events_live(True)
             self._feed.synced.set()
             while True:
                 frames = await sub.recv_multipart()
@@ -222,7 +231,8 @@ class ZmqSubscription:
             resp.raise_for_status()
             sources = await resp.json()
         if not sources:
-            log.warning("worker %s publishes no KV events; routing without its cache state", url)
+            # NOTE: debug: asked again every no_source_recheck_s; the feed warns once
+            log.debug("worker %s publishes no KV events", url)
             return None
         config = sources.get("0") or next(iter(sources.values()))
         host = urlsplit(url).hostname or "127.0.0.1"

@@ -135,6 +135,9 @@ def _configure_sim(parser: argparse.ArgumentParser) -> None:
     add("--cpu-offload-blocks", type=int, default=0,
         help="CPU KV tier: blocks evicted from GPU kept in a CPU LRU of this many blocks, "
              "loaded back over PCIe on a hit (default 0: off)")  # fmt: skip
+    add("--hide-kv-events", action="store_true",
+        help="advertise no KV event source (/kv_event_sources answers {}): a stock engine "
+             "with events off, as routers see it; use with --no-agent")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -345,6 +348,7 @@ async def _run_sim(args: argparse.Namespace) -> int:
         replay_port=args.replay_port,
         topic=args.topic,
         hash_seed=args.hash_seed,
+        advertise_kv_events=not args.hide_kv_events,
         **options,
     )
     stop, received = asyncio.Event(), list[int]()

@@ -56,6 +56,7 @@ class Scheduler:
         *,
         prediction_ttl_s: float = 2.0,
         max_prediction_lifetime_s: float = 120.0,
+        eventless_prediction_ttl_s: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         rate_prior: RatePrior | None = None,
@@ -66,6 +67,7 @@ class Scheduler:
         self.policy = policy
         self.prediction_ttl_s = prediction_ttl_s
         self.max_prediction_lifetime_s = max(prediction_ttl_s, max_prediction_lifetime_s)
+        self.eventless_prediction_ttl_s = eventless_prediction_ttl_s
         self.clock = clock
         self.rng = rng or random.Random()
         self.rates = RateLearner(prior=rate_prior or RatePrior())
@@ -244,7 +246,7 @@ class Scheduler:
         # predicted again whole, which renews them (its real blocks are inert there).
         run = overlap.num_blocks if overlap is not None else 0
         start = 0 if overlap is None or overlap.num_predicted else run
-        if len(hashes) > start and self.prediction_ttl_s > 0:
+        if len(hashes) > start and (self.prediction_ttl_s > 0 or not chosen.events_live):
             suffix = hashes[start:] if start else hashes
             lifetime = self.prediction_lifetime_s(chosen, queued_at_pick + uncached)
             self.index.predict(chosen.worker_id, suffix, lifetime, now)
@@ -268,12 +270,21 @@ class Scheduler:
         NOTE: a fixed short TTL (the old 2 s) let a long prompt's prediction expire
         while it was still being prefilled: a follow-up sharing 190K tokens then saw a
         busy worker with nothing cached and recomputed the whole prefix elsewhere.
+
+        A worker whose KV events do not reach the index (``WorkerView.events_live``
+        False: stream down, or an engine with events off) has no events to confirm or
+        drop a prediction, so its predictions are the index: they live
+        ``eventless_prediction_ttl_s`` (about how long its cache keeps a block), and a
+        snapshot replaces them when its events return.
         """
         expected_prefill_s = self.rates.rates_of(chosen.worker_id).predict_ttft(
             prefill_tokens, decode_batch(chosen.load)
         )
         lifetime = self.prediction_ttl_s + max(0.0, expected_prefill_s)
-        return min(lifetime, self.max_prediction_lifetime_s)
+        lifetime = min(lifetime, self.max_prediction_lifetime_s)
+        if not chosen.events_live:
+            return max(lifetime, self.eventless_prediction_ttl_s)
+        return lifetime
 
     def _release_prefill(self, decision: Decision) -> None:
         decision.prefill_released = True

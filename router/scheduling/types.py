@@ -55,6 +55,10 @@ class WorkerView:
     loras: frozenset[str]
     max_concurrency: int | None  # cap on num_inflight; None: unbounded
     load: WorkerLoad = field(default_factory=WorkerLoad)
+    # False while the worker's KV event stream is down or never synced: its index
+    # entries are then this router's own routing history (long-lived predictions,
+    # ``Scheduler.prediction_lifetime_s``) until a snapshot replaces them
+    events_live: bool = True
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ import pytest
 
 from loadtest import sweep
 from loadtest.compare import add_engine_counters
-from loadtest.fleet import EngineCounters, engine_counters_from_metrics
+from loadtest.fleet import EngineCounters, Fleet, WorkerEndpoint, engine_counters_from_metrics
 from loadtest.stats import summarize
 
 
@@ -30,7 +30,8 @@ def test_tiny_sweep_writes_table_plots_and_goodput(tmp_path: Path) -> None:
         "--num-requests", "16", "--loads", "1,4", "--policies", "round_robin,cache_aware",
         "--workers", "2", "--sim-speedup", "20", "--max-input-tokens", "2048",
         "--max-tokens-cap", "4", "--out", str(tmp_path / "sweep"), "--no-progress",
-        "--slo-ttft-p90-s", "3,5,10",
+        "--slo-ttft-p90-s", "3,5,10", "--gpu-profiles", "h100-llama3.1-8b,a100-llama3.1-8b",
+        "--workers-without-events", "1",
     ])  # fmt: skip
     assert sweep.run(args) == 0
     data = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
@@ -44,6 +45,8 @@ def test_tiny_sweep_writes_table_plots_and_goodput(tmp_path: Path) -> None:
         assert row["gpu_busy_imbalance"] >= 1.0 and row["engine_lag_s"] >= 0.0
     assert set(data["goodput"]) == {"round_robin", "cache_aware"}
     markdown = (tmp_path / "sweep" / "sweep.md").read_text()
+    assert "GPU profiles (cycled over the workers): 1 x h100-llama3.1-8b, 1 x a100" in markdown
+    assert "1 worker(s) without KV events (the last)" in markdown
     goodput_header = "| policy | goodput, TTFT p90 <= 3 s | goodput, TTFT p90 <= 5 s |"
     assert goodput_header + " goodput, TTFT p90 <= 10 s |" in markdown
     # re-rendering from the JSON reproduces the tables, with the sweep's own SLOs
@@ -78,3 +81,20 @@ def test_gpu_busy_imbalance_needs_every_worker_before_and_after() -> None:
     assert summary.worker_to_gpu_busy_s == {"w0": 3.0, "w1": 1.0}
     assert summary.gpu_busy_imbalance == 1.5  # 3 / mean(3, 1)
     assert summary.engine_lag_s == pytest.approx(0.2)
+
+
+def test_gpu_profiles_cycle_over_the_workers_and_unknown_ones_are_refused() -> None:
+    parser = argparse.ArgumentParser()
+    sweep.configure(parser)
+    profiles_arg = "a100-llama3.1-8b,h100-llama3.1-8b"
+    args = parser.parse_args(["--workers", "3", "--gpu-profiles", profiles_arg])
+    fleet = Fleet(sweep.fleet_config_of(args))
+    for index in range(3):
+        fleet.workers.append(WorkerEndpoint(f"w{index}", 1, 2, 3, 4))
+    profiles = []
+    for endpoint in fleet.workers:
+        argv = fleet.worker_argv(endpoint)
+        profiles.append(argv[argv.index("--gpu-profile") + 1])
+    assert profiles == ["a100-llama3.1-8b", "h100-llama3.1-8b", "a100-llama3.1-8b"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--gpu-profiles", "h100-llama3.1-8b,tpu-v9"])

@@ -459,3 +459,23 @@ def test_a_conversation_leaves_its_worker_only_when_the_queue_costs_more_than_th
     decision = sched.pick(request(history), workers)
     assert decision is not None
     assert (decision.worker_id == "w0") is stays
+
+
+def test_a_worker_without_events_keeps_its_routing_history_as_predictions() -> None:
+    """No events will confirm or drop its blocks, so its predictions live
+    ``eventless_prediction_ttl_s``; a worker with events gets the short lifetime."""
+    index, workers = make_fleet(2)
+    workers[0].events_live = False
+    sched = Scheduler(
+        index, CacheAwarePolicy(), clock=lambda: 0.0, eventless_prediction_ttl_s=300.0
+    )
+    silent_prompt, other_prompt = tokens(12, 8 * BLOCK), tokens(13, 8 * BLOCK)
+    for worker, prompt in ((workers[0], silent_prompt), (workers[1], other_prompt)):
+        decision = sched.pick(request(prompt), [worker])
+        assert decision is not None
+        finish(sched, decision)
+    later = 299.0
+    silent_overlap = index.lookup(hash_prompt(NS, silent_prompt), later)
+    assert silent_overlap["w0"].num_predicted == 8
+    assert index.lookup(hash_prompt(NS, other_prompt), later) == {}
+    assert index.lookup(hash_prompt(NS, silent_prompt), 301.0) == {}

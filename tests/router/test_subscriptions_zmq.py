@@ -127,6 +127,7 @@ class RecordingFeed:
         self.synced = asyncio.Event()
         self.blocks: Counter[RefKey] = Counter()
         self.num_purges = 0
+        self.events_live = False
 
     def apply_batch(self, batch: EventBatch) -> None:
         for event in batch.events:
@@ -135,6 +136,9 @@ class RecordingFeed:
     def purge(self) -> None:
         self.blocks = Counter()
         self.num_purges += 1
+
+    def set_events_live(self, live: bool) -> None:
+        self.events_live = live
 
 
 def _chain(first_hash: int, num_blocks: int = 2) -> BlockStored:

@@ -77,6 +77,9 @@ class SimConfig:
     topic: str = "kv"
     buffer_steps: int = 10_000
     hash_seed: str = "0"  # vLLM: PYTHONHASHSEED
+    # False: /kv_event_sources answers {} (an engine with KV events off, as routers see
+    # it); the engine still publishes on its sockets, which nothing is told of
+    advertise_kv_events: bool = True
 
 
 @dataclass(slots=True)
@@ -334,6 +337,8 @@ async def _metrics(request: web.Request) -> web.Response:
 
 async def _kv_event_sources(request: web.Request) -> web.Response:
     state = request.app[SIM_STATE]
+    if not state.config.advertise_kv_events:
+        return web.json_response({})
     return web.json_response({"0": state.publisher.config_json()})
 
 
