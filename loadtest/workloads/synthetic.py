@@ -28,7 +28,9 @@ _REQUEST_STREAM = 2
 @dataclass(frozen=True, slots=True)
 class TenantsParams:
     """K tenants, each with one long system prompt, each with many users asking short
-    questions; Poisson arrivals at ``rate``/s, a uniformly random (tenant, user) each."""
+    questions; Poisson arrivals at ``rate``/s, a uniformly random (tenant, user) each.
+    ``hot_share`` > 0: tenant 0's prompt (a hot prefix) carries that fraction of the
+    requests, the other tenants share the rest uniformly."""
 
     num_requests: int = 200
     rate: float = 10.0
@@ -37,6 +39,11 @@ class TenantsParams:
     system_tokens: int = 1024
     question_tokens: int = 64
     max_tokens: int = 16
+    hot_share: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.hot_share <= 1.0:
+            raise ValueError("hot_share must be in [0, 1]")
 
 
 def build_tenants(params: TenantsParams, seed: int, token_range: TokenRange) -> list[LoadRequest]:
@@ -48,7 +55,12 @@ def build_tenants(params: TenantsParams, seed: int, token_range: TokenRange) -> 
     arrivals = poisson_arrivals(rng, params.num_requests, params.rate)
     requests = []
     for index, arrival in enumerate(arrivals):
-        tenant = int(rng.integers(params.num_tenants))
+        if params.hot_share <= 0 or params.num_tenants == 1:
+            tenant = int(rng.integers(params.num_tenants))  # (the draws of hot_share 0)
+        elif rng.random() < params.hot_share:
+            tenant = 0
+        else:
+            tenant = 1 + int(rng.integers(params.num_tenants - 1))
         user = int(rng.integers(params.users_per_tenant))
         question = random_tokens(rng, params.question_tokens, token_range)
         requests.append(

@@ -160,3 +160,15 @@ def test_loadtest_cli_rejects_bad_workload_parameters_clearly(
     assert "unknown parameter(s) ['bogus']" in capsys.readouterr().err
     assert main(["loadtest", "--set", "no_equals_sign"]) == 2
     assert "KEY=VALUE" in capsys.readouterr().err
+
+
+def test_a_hot_tenant_carries_its_share_of_the_requests() -> None:
+    requests = build_workload(
+        "tenants", {"num_requests": "2000", "num_tenants": "8", "hot_share": "0.6"}, seed=3
+    )
+    shares = {t: sum(r.tenant == t for r in requests) / 2000 for t in {r.tenant for r in requests}}
+    assert shares["tenant0"] == pytest.approx(0.6, abs=0.04)
+    others = [share for tenant, share in shares.items() if tenant != "tenant0"]
+    assert len(others) == 7 and all(share == pytest.approx(0.4 / 7, abs=0.03) for share in others)
+    with pytest.raises(ValueError, match="hot_share"):
+        build_workload("tenants", {"hot_share": "1.5"}, seed=0)
