@@ -56,8 +56,10 @@ class IndexFeed:
         self.num_snapshots = 0  # snapshots applied (each one a resync)
         self._block_size_confirmed = False  # an event has shown the engine's block size
         self.synced = asyncio.Event()  # set once the index holds the worker's state
-        # the worker's events reach the index (mirrors ``WorkerView.events_live``)
-        self.events_live = False
+        # the worker's events reach the index (mirrors ``WorkerView.events_live``; a
+        # resync's new feed starts from what the view says)
+        worker = fleet.workers.get(worker_id)
+        self.events_live = worker.view.events_live if worker is not None else False
 
     def on_snapshot(self, epoch: Epoch, seq: StreamSeq, events: Sequence[BlockStored]) -> None:
         if events and not self._block_size_confirmed:

@@ -78,8 +78,8 @@ class Scheduler:
         # the cache's own work (a bytes copy, a binary search, its LRU) costs about
         # what it saves (decision bench, BENCHMARKS.md).
         self.prefix_hashes = PrefixChainCache(prefix_cache_entries)
-        # (base root, lora, salt) -> effective namespace; bounded LRU.
         self._pick_seq = 0  # picks so far: each decision's ``pick_seq``
+        # (base root, lora, salt) -> effective namespace; bounded LRU.
         self._namespaces: OrderedDict[tuple[int, str | None, str | None], Namespace] = OrderedDict()
 
     # -- public API ------------------------------------------------------------------
@@ -264,8 +264,8 @@ class Scheduler:
         request's prefill computes it, and its event reaches the index soon after. So
         the prediction lives until that prefill is expected to end (``prefill_tokens``:
         the queue ahead and the request's own uncached tokens, at the worker's learned
-        rates) plus
-        ``prediction_ttl_s`` for the events, capped by ``max_prediction_lifetime_s``.
+        rates) plus ``prediction_ttl_s`` for the events, capped by
+        ``max_prediction_lifetime_s``.
 
         NOTE: a fixed short TTL (the old 2 s) let a long prompt's prediction expire
         while it was still being prefilled: a follow-up sharing 190K tokens then saw a

@@ -9,18 +9,23 @@ worker is the history the router keeps for it alone.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvindex.index import PrefixIndex
 from kvindex.index_types import WorkerId
 from router.app import FLEET, INDEX
 from router.config import RouterConfig
+from router.metrics import RouterMetrics
+from router.subscriptions import IndexFeed
 from router.upstream import WORKER_HEADER
 from tests.polling import wait_until
 from tests.router.fakes import run, running_router
 from tests.router.simfleet import BLOCK_SIZE, sim_fleet
+from tests.router.test_scheduling_policies import make_fleet
 from worker.sim.server import SIM_STATE
 
 MODEL = "kvroute-tiny"
@@ -107,3 +112,17 @@ def test_a_worker_without_events_is_routed_by_history_and_follows_its_events_onc
                 assert gauge[str(silent_id)] == 1.0
 
     run(main())
+
+
+def test_a_new_feed_starts_from_the_view_so_a_resync_can_mark_the_worker_silent() -> None:
+    """A resync replaces the worker's feed: the new one must still be able to turn a
+    live worker's ``events_live`` off when its stream then fails."""
+    index, views = make_fleet(1)
+    view = views[0]
+    assert view.events_live
+    fleet: Any = SimpleNamespace(workers={view.worker_id: SimpleNamespace(view=view)})
+    feed = IndexFeed(view.worker_id, PrefixIndex(), fleet, RouterMetrics())
+    feed.set_events_live(False)
+    assert not view.events_live
+    IndexFeed(view.worker_id, index, fleet, RouterMetrics()).on_snapshot(0, 0, [])
+    assert view.events_live
