@@ -217,11 +217,15 @@ class ModelTokenizer:
         return list(prompt)
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        # NOTE: ``encode_batch`` releases the GIL while the Rust tokenizer runs, ``encode``
-        # holds it; a long text encoded on a worker thread must not stall the event loop.
+        # NOTE: ``encode_batch_fast`` releases the GIL while the Rust tokenizer runs,
+        # ``encode`` holds it; a long text encoded on a worker thread must not stall the
+        # event loop. The fast variant skips the offsets (unused here): same ids, 2-3x
+        # faster on long prompts (36 -> 18 ms for 128K tokens, BENCHMARKS.md).
         if len(text) < _GIL_RELEASE_MIN_CHARS:
             return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
-        (encoding,) = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        (encoding,) = self.tokenizer.encode_batch_fast(
+            [text], add_special_tokens=add_special_tokens
+        )
         return list(encoding.ids)
 
     def chat_token_ids(

@@ -79,7 +79,8 @@ def test_completion_ids_equal_transformers(
         (folder / "tokenizer.json").write_text(json.dumps(data))
     ours = ModelTokenizer.from_dir(folder)
     theirs = hf_tokenizer(folder)
-    for text in ["hello", "", "a <s> b <|user|>\n", "üñí©ødé 🙂", "x" * 300]:
+    long_text = "a <s> b <|user|>\n üñí©ødé 🙂 " * 400  # past the GIL-free batch path's floor
+    for text in ["hello", "", "a <s> b <|user|>\n", "üñí©ødé 🙂", "x" * 300, long_text]:
         expected = theirs(text, add_special_tokens=add_special_tokens)["input_ids"]
         got = ours.completion_token_ids(text, add_special_tokens=add_special_tokens)
         assert got == expected
