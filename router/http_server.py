@@ -26,7 +26,6 @@ import logging
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_protocol import RequestHandler
 
 from router.errors import protocol_error_response
@@ -59,7 +58,7 @@ class _JsonErrorRequestHandler(RequestHandler):
         request body fails to decode after the answer (a bad gzip body): a client fault,
         answered already, so one debug line, not an error an operator must chase."""
         exc = kw.get("exc_info")
-        if isinstance(exc, web.RequestPayloadError | BadHttpMessage):
+        if isinstance(exc, web.RequestPayloadError):
             log.debug("dropped the unreadable rest of a request body: %r", exc)
             return
         super().log_exception(*args, **kw)

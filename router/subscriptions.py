@@ -35,6 +35,7 @@ from router.agent_client import AgentClient
 from router.metrics import RouterMetrics
 from router.registry import RegisteredWorker as FleetWorker
 from router.registry import WorkerRegistry as Fleet
+from router.scheduling.types import WorkerView
 from router.zmq_subscription import ZmqSubscription
 
 log = logging.getLogger(__name__)
@@ -46,9 +47,11 @@ class IndexFeed:
     """Applies one worker's events to the index (the handler of its subscription)."""
 
     def __init__(
-        self, worker_id: WorkerId, index: Index, fleet: Fleet, metrics: RouterMetrics
+        self, view: WorkerView, index: Index, fleet: Fleet, metrics: RouterMetrics
     ) -> None:
+        worker_id = view.worker_id
         self.worker_id = worker_id
+        self._view = view  # the worker's, whose ``events_live`` this feed keeps
         self._index = index
         self._fleet = fleet
         self._metrics = metrics
@@ -56,10 +59,6 @@ class IndexFeed:
         self.num_snapshots = 0  # snapshots applied (each one a resync)
         self._block_size_confirmed = False  # an event has shown the engine's block size
         self.synced = asyncio.Event()  # set once the index holds the worker's state
-        # the worker's events reach the index (mirrors ``WorkerView.events_live``; a
-        # resync's new feed starts from what the view says)
-        worker = fleet.workers.get(worker_id)
-        self.events_live = worker.view.events_live if worker is not None else False
 
     def on_snapshot(self, epoch: Epoch, seq: StreamSeq, events: Sequence[BlockStored]) -> None:
         if events and not self._block_size_confirmed:
@@ -101,13 +100,9 @@ class IndexFeed:
 
     def set_events_live(self, live: bool) -> None:
         """Whether the worker's index entries follow its events (see ``WorkerView``)."""
-        if live == self.events_live:
+        if live == self._view.events_live:
             return
-        self.events_live = live
-        worker = self._fleet.workers.get(self.worker_id)
-        if worker is None:
-            return
-        worker.view.events_live = live
+        self._view.events_live = live
         if live:
             log.info("worker %s: events live, the index follows the engine", self.worker_id)
         else:
@@ -118,7 +113,7 @@ class IndexFeed:
             )
 
     def apply_batch(self, batch: EventBatch) -> None:
-        if not self.events_live:  # a stream resumed after a disconnect, without a snapshot
+        if not self._view.events_live:  # a stream resumed after a disconnect, no snapshot
             self.set_events_live(True)
         if not self._block_size_confirmed:
             for event in batch.events:
@@ -168,7 +163,7 @@ class SubscriptionManager:
     def start(self, worker: FleetWorker) -> None:
         worker_id = worker.view.worker_id
         self.stop(worker_id)
-        feed = IndexFeed(worker_id, self._index, self._fleet, self._metrics)
+        feed = IndexFeed(worker.view, self._index, self._fleet, self._metrics)
         self.feeds[worker_id] = feed
         self.tasks[worker_id] = asyncio.get_running_loop().create_task(
             self._run(worker, feed), name=f"kv-subscription-{worker_id}"

@@ -1,6 +1,6 @@
 """Expected time to first token of one request on one worker (the cache-aware score).
 
-    uncached(w) = A(prompt_tokens - hit_tokens(w), hit_tokens(w))
+    uncached(w) = prompt_tokens - hit_tokens(w)
                 + block_size * (cpu_cost * num_cpu + disk_cost * num_disk
                                 + predicted_cost * num_predicted)
     queued(w)   = load.prefill_tokens_queued + load.inflight_prefill_tokens - progress(w)
@@ -14,18 +14,14 @@
                 + recompute_weight * mean_rho / (1 - mean_rho)
                           * s_prefill(w) * (uncached(w) - min_v uncached(v))
     share(w)    = (rho(w) + eps) / (mean_rho + eps)
-    A(u, c)     = u * (1 + (c + u / 2) / attention_context_tokens)
 
 ``overhead``, ``s_prefill`` (seconds per prefill token) and ``s_running`` are learned
 per worker (``rates.py``); ``added_work_weight`` is cache_aware's parameter (0.5);
 ``rho(w)`` is the worker's recent utilisation by the prefill this router sent it and
 ``mean_rho`` the fleet's mean (``utilization.py``; both 0 when the term is off, which
-makes the factor 1). ``A`` can weigh recomputed tokens for attention's quadratic cost
-(``attention_weighted_tokens``; a 126K-token prompt costs about 3x its token count at
-32K), so the queue, the busy term and the learned rates see what the GPU spends. It is
-off by default (``attention_context_tokens`` 0: linear): on the Mooncake sweep, 32K
-(Llama-3.1-8B's value, which the simulator models) lowered the hit ratio and raised
-TTFT p90 and GPU-second imbalance at loads 1-2 (BENCHMARKS.md), so linear stays.
+makes the factor 1). Prefill cost is linear in tokens here: weighing recomputed tokens
+for attention's quadratic cost was tried (BENCHMARKS.md, "In-flight prefixes and
+re-prefills") and lowered hits and raised TTFT p90 and GPU-second imbalance.
 
 NOTE: the prefill a request adds costs more than its own TTFT, and more on a worker that
 has lately taken more than its share of the work:
@@ -103,28 +99,9 @@ class TierCosts:
     cpu: float = 0.25
     disk: float = 0.5
     predicted: float = 0.1
-    # context length at which a token's attention costs as much as the rest of its
-    # prefill (``attention_weighted_tokens``; 0: prefill cost linear in tokens)
-    attention_context_tokens: float = 0.0
 
 
 DEFAULT_TIER_COSTS: Final = TierCosts()
-
-
-def attention_weighted_tokens(
-    num_uncached: float, num_cached: float, attention_context_tokens: float
-) -> float:
-    """Prefill cost of ``num_uncached`` tokens computed after ``num_cached`` ones, in
-    tokens at the cost of a token with no context: ``u * (1 + (c + u / 2) / L)``.
-
-    Per token, a prefill costs its dense matmuls (``2 * params`` FLOPs) plus causal
-    attention over the context before it (``4 * layers * hidden * ctx`` FLOPs), so a
-    token at context ``ctx`` costs ``1 + ctx / L`` with ``L = params / (2 * layers *
-    hidden)``: about 31K tokens for Llama-3.1-8B, 53K for Llama-3.1-70B. Summed over
-    the new tokens that is the formula. ``L`` <= 0: linear (``u``)."""
-    if attention_context_tokens <= 0:
-        return num_uncached
-    return num_uncached * (1.0 + (num_cached + num_uncached / 2) / attention_context_tokens)
 
 
 def hit_tokens(num_blocks: int, block_size: int, num_prompt_tokens: int) -> int:
@@ -142,16 +119,12 @@ def hit_tokens(num_blocks: int, block_size: int, num_prompt_tokens: int) -> int:
 def effective_uncached_tokens(
     overlap: Overlap | None, block_size: int, num_prompt_tokens: int, costs: TierCosts
 ) -> float:
-    """Prefill work this prompt adds on a worker, in GPU-prefill-token equivalents: the
-    tokens it recomputes, weighted for attention (``attention_weighted_tokens``), plus
-    the tier surcharge of the cached ones."""
-    attention = costs.attention_context_tokens
+    """Prefill work this prompt adds on a worker, in GPU-prefill-token equivalents."""
     if overlap is None or overlap.num_blocks == 0:
-        return attention_weighted_tokens(float(num_prompt_tokens), 0, attention)
+        return float(num_prompt_tokens)
     hit = hit_tokens(overlap.num_blocks, block_size, num_prompt_tokens)
-    recomputed = attention_weighted_tokens(float(num_prompt_tokens - hit), hit, attention)
     if overlap.num_gpu == overlap.num_blocks:  # the common case: all on GPU, no surcharge
-        return recomputed
+        return float(num_prompt_tokens - hit)
     hit_blocks = hit // block_size
     # The hit cap trims the run's tail; charge the trimmed blocks' tiers from the end.
     num_cpu, num_disk, num_predicted = overlap.num_cpu, overlap.num_disk, overlap.num_predicted
@@ -163,7 +136,7 @@ def effective_uncached_tokens(
     surcharge = block_size * (
         costs.cpu * num_cpu + costs.disk * num_disk + costs.predicted * num_predicted
     )
-    return recomputed + surcharge
+    return float(num_prompt_tokens - hit) + surcharge
 
 
 def prefill_progress_tokens(
@@ -230,9 +203,7 @@ def expected_ttft(
 
     ``utilization`` must be in ``[0, 1)``; ``now`` None: no ``progress`` credit."""
     progress = (
-        0.0
-        if now is None
-        else prefill_progress_tokens(load, now, rates.seconds_per_prefill_token)
+        0.0 if now is None else prefill_progress_tokens(load, now, rates.seconds_per_prefill_token)
     )
     work = (
         load.prefill_tokens_queued

@@ -40,7 +40,7 @@ from router.scheduling.cost_model import (
 )
 from router.scheduling.drift import DriftConfig, DriftStats, DriftTracker
 from router.scheduling.policy import PickContext, Policy
-from router.scheduling.rates import RateLearner, RatePrior
+from router.scheduling.rates import RateLearner, RatePrior, WorkerRates
 from router.scheduling.types import Decision, RoutingRequest, WorkerId, WorkerView
 
 _MAX_NAMESPACES = 4096
@@ -221,9 +221,9 @@ class Scheduler:
             )
         )
         load = chosen.load
-        seconds_per_token = self.rates.rates_of(chosen.worker_id).seconds_per_prefill_token
+        rates = self.rates.rates_of(chosen.worker_id)
         queued_at_pick = queued_prefill_tokens(
-            load, prefill_progress_tokens(load, now, seconds_per_token)
+            load, prefill_progress_tokens(load, now, rates.seconds_per_prefill_token)
         )
         self._pick_seq += 1
         decision = Decision(
@@ -248,7 +248,7 @@ class Scheduler:
         start = 0 if overlap is None or overlap.num_predicted else run
         if len(hashes) > start and (self.prediction_ttl_s > 0 or not chosen.events_live):
             suffix = hashes[start:] if start else hashes
-            lifetime = self.prediction_lifetime_s(chosen, queued_at_pick + uncached)
+            lifetime = self.prediction_lifetime_s(chosen, rates, queued_at_pick + uncached)
             self.index.predict(chosen.worker_id, suffix, lifetime, now)
         load.num_inflight += 1
         load.inflight_prefill_tokens += uncached
@@ -257,14 +257,16 @@ class Scheduler:
         load.pending_prefills[decision.pick_seq] = uncached
         return decision
 
-    def prediction_lifetime_s(self, chosen: WorkerView, prefill_tokens: float) -> float:
+    def prediction_lifetime_s(
+        self, chosen: WorkerView, rates: WorkerRates, prefill_tokens: float
+    ) -> float:
         """How long the blocks of a request just routed to ``chosen`` count as predicted.
 
         A predicted block is a hit about to exist: the engine stores it when the
         request's prefill computes it, and its event reaches the index soon after. So
         the prediction lives until that prefill is expected to end (``prefill_tokens``:
         the queue ahead and the request's own uncached tokens, at the worker's learned
-        rates) plus ``prediction_ttl_s`` for the events, capped by
+        ``rates``) plus ``prediction_ttl_s`` for the events, capped by
         ``max_prediction_lifetime_s``.
 
         NOTE: a fixed short TTL (the old 2 s) let a long prompt's prediction expire
@@ -277,9 +279,7 @@ class Scheduler:
         ``eventless_prediction_ttl_s`` (about how long its cache keeps a block), and a
         snapshot replaces them when its events return.
         """
-        expected_prefill_s = self.rates.rates_of(chosen.worker_id).predict_ttft(
-            prefill_tokens, decode_batch(chosen.load)
-        )
+        expected_prefill_s = rates.predict_ttft(prefill_tokens, decode_batch(chosen.load))
         lifetime = self.prediction_ttl_s + max(0.0, expected_prefill_s)
         lifetime = min(lifetime, self.max_prediction_lifetime_s)
         if not chosen.events_live:

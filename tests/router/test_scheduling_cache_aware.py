@@ -12,7 +12,6 @@ from kvindex.hashing import Namespace, hash_prompt
 from kvindex.index import PrefixIndex
 from router.scheduling.cost_model import (
     TierCosts,
-    attention_weighted_tokens,
     effective_uncached_tokens,
     expected_ttft,
     hit_tokens,
@@ -160,7 +159,7 @@ def test_temperature_samples_near_equal_workers() -> None:
 def test_cost_model_credits(num_prompt_tokens: int) -> None:
     from kvindex.index import Overlap
 
-    costs = TierCosts(cpu=0.5, disk=1.0, predicted=0.0, attention_context_tokens=0)
+    costs = TierCosts(cpu=0.5, disk=1.0, predicted=0.0)
     max_blocks = (num_prompt_tokens - 1) // BLOCK
     gpu = Overlap(num_blocks=10, num_gpu=10, num_cpu=0, num_disk=0, num_predicted=0)
     hit = hit_tokens(10, BLOCK, num_prompt_tokens)
@@ -173,20 +172,6 @@ def test_cost_model_credits(num_prompt_tokens: int) -> None:
     expected = num_prompt_tokens - hit_tokens(2, BLOCK, num_prompt_tokens)
     expected += 0.5 * BLOCK * min(2, max_blocks)
     assert effective_uncached_tokens(cpu, BLOCK, num_prompt_tokens, costs) == expected
-    # with attention: the recomputed tokens weigh 1 + (their context) / L each, on average
-    costs = TierCosts(attention_context_tokens=50.0)
-    recomputed = num_prompt_tokens - hit
-    weighted = recomputed * (1 + (hit + recomputed / 2) / 50.0)
-    assert effective_uncached_tokens(gpu, BLOCK, num_prompt_tokens, costs) == weighted
-
-
-def test_attention_makes_a_long_prompt_cost_more_than_its_tokens() -> None:
-    """Llama-3.1-8B's ``L`` is ~31K: a 126K-token prompt prefills at ~3x its token count,
-    a 2K one at ~1.03x, and a cached prefix makes the recomputed tail dearer per token."""
-    assert attention_weighted_tokens(126_000, 0, 32768) / 126_000 == pytest.approx(2.92, 0.01)
-    assert attention_weighted_tokens(2_000, 0, 32768) / 2_000 == pytest.approx(1.03, 0.01)
-    assert attention_weighted_tokens(1_000, 64_000, 32768) > 2 * 1_000
-    assert attention_weighted_tokens(1_000, 64_000, 0) == 1_000
 
 
 @pytest.mark.parametrize("cpu_cost", [0.0, 0.25, 1.0])
@@ -249,7 +234,6 @@ def test_inlined_scores_equal_the_cost_model_bit_for_bit(rate_sharing: str) -> N
         "cache_aware",
         added_work_weight=0.3,
         rate_sharing=rate_sharing,
-        attention_context_tokens=300.0,  # the inlined attention weighting too
     )
     for _ in range(70):  # w3 learned (and distinct: 10x slower than w2), w2 learned
         sched.rates.observe(workers[3].worker_id, prefill_tokens=900, num_running=2, ttft_s=4.0)

@@ -114,15 +114,15 @@ def test_a_worker_without_events_is_routed_by_history_and_follows_its_events_onc
     run(main())
 
 
-def test_a_new_feed_starts_from_the_view_so_a_resync_can_mark_the_worker_silent() -> None:
+def test_a_new_feed_can_mark_a_live_worker_silent_and_a_snapshot_marks_it_live() -> None:
     """A resync replaces the worker's feed: the new one must still be able to turn a
     live worker's ``events_live`` off when its stream then fails."""
     index, views = make_fleet(1)
     view = views[0]
     assert view.events_live
     fleet: Any = SimpleNamespace(workers={view.worker_id: SimpleNamespace(view=view)})
-    feed = IndexFeed(view.worker_id, PrefixIndex(), fleet, RouterMetrics())
+    feed = IndexFeed(view, PrefixIndex(), fleet, RouterMetrics())
     feed.set_events_live(False)
     assert not view.events_live
-    IndexFeed(view.worker_id, index, fleet, RouterMetrics()).on_snapshot(0, 0, [])
+    IndexFeed(view, index, fleet, RouterMetrics()).on_snapshot(0, 0, [])
     assert view.events_live

@@ -45,7 +45,6 @@ from router.scheduling.cost_model import (
     DEFAULT_TIER_COSTS,
     SHARE_SMOOTHING,
     TierCosts,
-    attention_weighted_tokens,
     effective_uncached_tokens,
     recompute_factor,
 )
@@ -86,9 +85,9 @@ class CacheAwarePolicy(BasePolicy):
             raise ValueError("added_work_weight must be >= 0")
         if recompute_weight < 0:
             raise ValueError("recompute_weight must be >= 0")
-        self.recompute_weight = recompute_weight
         if busy_window_s < 0:
             raise ValueError("busy_window_s must be >= 0")
+        self.recompute_weight = recompute_weight
         self.tier_costs = tier_costs  # also the Scheduler's (see Policy.tier_costs)
         self.temperature = temperature
         self.added_work_weight = added_work_weight
@@ -178,8 +177,6 @@ class CacheAwarePolicy(BasePolicy):
         weight_per_share = self.added_work_weight / (mean_rho + eps)
         recompute = recompute_factor(self.recompute_weight, mean_rho, max_rho)
         # pass 1: each candidate's uncached work (the recompute term needs their minimum)
-        attention = costs.attention_context_tokens
-        no_hit = attention_weighted_tokens(float(num_prompt_tokens), 0, attention)
         uncached_values: list[float] = []
         append_uncached = uncached_values.append
         root_to_overlaps: dict[int, dict[WorkerId, Overlap]] = {}  # one lookup per namespace
@@ -201,14 +198,11 @@ class CacheAwarePolicy(BasePolicy):
                 overlaps = found
             overlap = overlaps.get(worker.worker_id)
             if overlap is None:
-                append_uncached(no_hit)
+                append_uncached(float(num_prompt_tokens))
             elif overlap.num_gpu == overlap.num_blocks and max_hit_tokens >= 0:
                 # all on GPU: effective_uncached_tokens' first branch, without the call
-                hit = min(overlap.num_blocks, max_hit_tokens // block_size) * block_size
-                recomputed = float(num_prompt_tokens - hit)
-                if attention > 0:  # attention_weighted_tokens, inlined
-                    recomputed = recomputed * (1.0 + (hit + recomputed / 2) / attention)
-                append_uncached(recomputed)
+                hit_blocks = min(overlap.num_blocks, max_hit_tokens // block_size)
+                append_uncached(float(num_prompt_tokens - hit_blocks * block_size))
             else:
                 key = (id(overlap), block_size)
                 memo = uncached_memo.get(key)
@@ -258,7 +252,6 @@ def _create(params: Mapping[str, ParamValue]) -> CacheAwarePolicy:
         cpu=float(params["cpu_cost"]),
         disk=float(params["disk_cost"]),
         predicted=float(params["predicted_cost"]),
-        attention_context_tokens=float(params["attention_context_tokens"]),
     )
     return CacheAwarePolicy(
         tier_costs=tier_costs,
@@ -277,14 +270,6 @@ SPEC = PolicySpec(
         ParamSpec("cpu_cost", float, 0.25, "cost of a CPU-tier cached token (1 = prefill)"),
         ParamSpec("disk_cost", float, 0.5, "cost of a disk-tier cached token (1 = prefill)"),
         ParamSpec("predicted_cost", float, 0.1, "cost of a predicted, unconfirmed cached token"),
-        ParamSpec(
-            "attention_context_tokens",
-            float,
-            0.0,
-            "context length at which a token's attention costs as much as the rest of its "
-            "prefill (about params / (2 x layers x hidden), e.g. 32768 for an 8B model; "
-            "0: cost linear in tokens)",
-        ),
         ParamSpec("temperature", float, 0.0, "softmax temperature in seconds (0: always the best)"),
         ParamSpec(
             "added_work_weight",
