@@ -57,7 +57,7 @@ class FakeWorker:
     headers: list[dict[str, str]] = field(default_factory=list)  # request headers received
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(client_max_size=16 * 1024 * 1024)  # large-prompt tests
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
