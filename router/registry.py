@@ -228,6 +228,7 @@ class WorkerRegistry:
         worker.probed = False
         if self.subscriber is not None:
             self.subscriber.stop(worker_id)
+            worker.view.events_live = False  # until a new stream syncs
         self._index.remove_worker(worker_id)
 
     # --- internal updates ---------------------------------------------------------------

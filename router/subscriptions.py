@@ -59,6 +59,7 @@ class IndexFeed:
         self.num_snapshots = 0  # snapshots applied (each one a resync)
         self._block_size_confirmed = False  # an event has shown the engine's block size
         self.synced = asyncio.Event()  # set once the index holds the worker's state
+        self.detached = False  # stopped: its task's last callbacks change nothing
 
     def on_snapshot(self, epoch: Epoch, seq: StreamSeq, events: Sequence[BlockStored]) -> None:
         if events and not self._block_size_confirmed:
@@ -99,8 +100,13 @@ class IndexFeed:
         self.set_events_live(False)
 
     def set_events_live(self, live: bool) -> None:
-        """Whether the worker's index entries follow its events (see ``WorkerView``)."""
-        if live == self._view.events_live:
+        """Whether the worker's index entries follow its events (see ``WorkerView``).
+
+        NOTE: a detached feed (its subscription was stopped or replaced by a resync)
+        changes nothing: its cancelled stream still reports a disconnect, which would
+        mark a worker whose new stream is live as without events.
+        """
+        if self.detached or live == self._view.events_live:
             return
         self._view.events_live = live
         if live:
@@ -171,7 +177,9 @@ class SubscriptionManager:
 
     def stop(self, worker_id: WorkerId) -> None:
         task = self.tasks.pop(worker_id, None)
-        self.feeds.pop(worker_id, None)
+        feed = self.feeds.pop(worker_id, None)
+        if feed is not None:
+            feed.detached = True
         if task is not None:
             task.cancel()
 

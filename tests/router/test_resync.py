@@ -8,10 +8,12 @@ scheduler's verdict is forced, and the index is first made wrong on purpose.
 
 from __future__ import annotations
 
+import logging
+
 import aiohttp
 import pytest
 
-from router.app import INDEX, METRICS, SCHEDULER
+from router.app import FLEET, INDEX, METRICS, SCHEDULER
 from router.config import RouterConfig
 from tests.polling import wait_until
 from tests.router.fakes import run, running_router
@@ -21,7 +23,13 @@ PROMPT = "".join(f"resync line {i} keeps the index honest. " for i in range(10))
 
 
 @pytest.mark.parametrize("use_agent", [True, False], ids=["agent", "direct-zmq"])
-def test_persistent_drift_resyncs_the_worker_from_its_own_state(use_agent: bool) -> None:
+def test_persistent_drift_resyncs_the_worker_from_its_own_state(
+    use_agent: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Also: neither the resync nor the router's shutdown reports the worker as without
+    events (the replaced stream's last disconnect once did, so for a moment its picks
+    were predicted as if its events had stopped)."""
+
     async def main() -> None:
         async with sim_fleet(1) as (worker,):
             config = RouterConfig(port=0, workers=[worker.spec(use_agent=use_agent)],
@@ -49,5 +57,8 @@ def test_persistent_drift_resyncs_the_worker_from_its_own_state(use_agent: bool)
                     "kvroute_router_resyncs_total", {"worker": worker_id, "reason": "drift"}
                 )
                 assert resyncs == 1.0
+                assert app[FLEET].workers[worker_id].view.events_live
 
-    run(main())
+    with caplog.at_level(logging.WARNING, logger="router.subscriptions"):
+        run(main())
+    assert not [r for r in caplog.records if "no KV events" in r.getMessage()]
