@@ -8,12 +8,13 @@ text and bounds. ``OPTIONS``, the flags, env vars, file keys and ``kvroute route
 convert (``yes``/``no`` booleans included) or is out of bounds is an error naming the option.
 
 Worker specs (``--worker``) read
-``URL[,agent=URL][,id=NAME][,max_concurrency=N][,api_key_file=PATH][,engine=NAME]``.
+``URL[,agent=URL][,id=NAME][,max_concurrency=N][,api_key_file=PATH][,engine=NAME][,dp=K]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import tomllib
@@ -39,8 +40,22 @@ class WorkerSpec:
     labels: tuple[tuple[str, str], ...] = ()
     api_key_file: str | None = None  # this worker's API key, when not the router-wide one
     engine: str = "vllm"  # its adapter in router.engines (vllm, sim)
+    # An engine with data-parallel ranks (vLLM --data-parallel-size) is K routing targets
+    # behind one URL (``data_parallel_targets``); a target's rank, None for a whole engine.
+    data_parallel_size: int = 1
+    data_parallel_rank: int | None = None
 
     def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        rank = self.data_parallel_rank
+        if rank is not None and not 0 <= rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank {rank} outside [0, {self.data_parallel_size})")
+        if self.data_parallel_size > 1 and self.agent_url is not None:
+            raise ValueError(
+                "a data-parallel worker is followed over its engine's per-rank ZMQ sockets; "
+                "agent= is not supported with dp > 1"
+            )
         object.__setattr__(self, "url", self.url.rstrip("/"))
         if self.agent_url is not None:
             object.__setattr__(self, "agent_url", self.agent_url.rstrip("/"))
@@ -52,9 +67,21 @@ class WorkerSpec:
 
         engine_adapter(self.engine)  # an unknown engine name fails here, naming the known
 
+    def data_parallel_targets(self) -> list[WorkerSpec]:
+        """The routing targets of this worker: itself, or one per data-parallel rank
+        (id ``<id>#dp<r>``, same URL; requests carry the rank, see ``router.proxy``)."""
+        if self.data_parallel_size == 1 or self.data_parallel_rank is not None:
+            return [self]
+        return [
+            dataclasses.replace(self, worker_id=f"{self.worker_id}#dp{rank}",
+                                data_parallel_rank=rank)
+            for rank in range(self.data_parallel_size)
+        ]  # fmt: skip
+
     @classmethod
     def parse(cls, text: str) -> WorkerSpec:
-        """``URL[,agent=URL][,id=NAME][,max_concurrency=N][,api_key_file=PATH][,engine=NAME]``."""
+        """``URL[,agent=URL][,id=NAME][,max_concurrency=N][,api_key_file=PATH][,engine=NAME]``
+        ``[,dp=K]`` (K data-parallel ranks)."""
         url, *extras = [part.strip() for part in text.split(",") if part.strip()]
         kwargs: dict[str, Any] = {}
         for extra in extras:
@@ -71,16 +98,18 @@ class WorkerSpec:
                 kwargs["api_key_file"] = value
             elif key == "engine":
                 kwargs["engine"] = value
+            elif key in ("dp", "data_parallel_size"):
+                kwargs["data_parallel_size"] = int(value)
             else:
                 raise ValueError(f"unknown worker option {key!r} (in {text!r})")
         return cls(url=url, **kwargs)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> WorkerSpec:
-        """A file entry: ``{url, agent_url?, id?, max_concurrency?}``."""
+        """A file entry: ``{url, agent_url?, id?, max_concurrency?, data_parallel_size?, ...}``."""
         known = {
             "url", "agent_url", "agent", "id", "worker_id", "max_concurrency",
-            "api_key_file", "engine",
+            "api_key_file", "engine", "data_parallel_size",
         }  # fmt: skip
         unknown = set(data) - known
         if unknown:
@@ -93,6 +122,7 @@ class WorkerSpec:
             max_concurrency=None if cap is None else int(cap),
             api_key_file=data.get("api_key_file"),
             engine=str(data.get("engine", "vllm")),
+            data_parallel_size=int(data.get("data_parallel_size", 1)),
         )
 
 

@@ -13,7 +13,9 @@ Rules (pure, in ``workers_from_slice``):
   true; a terminating or removed endpoint leaves (the fleet then drops its index blocks);
 - its worker id is its Pod's name (``targetRef.name``), else its address;
 - the slice's labels under ``kvroute.io/`` (model, GPU kind, ...) become the worker's
-  labels; ``discovery.k8s.io/v1`` and ``v1beta1`` slices are read alike.
+  labels; ``discovery.k8s.io/v1`` and ``v1beta1`` slices are read alike;
+- ``kvroute.io/data-parallel-size: K`` makes each endpoint K routing targets, one per
+  rank, followed on the engine's per-rank ZMQ sockets (the agent port is not used).
 
 Resilience (``_SliceFollower``, run in one thread because the client is blocking):
 
@@ -40,6 +42,10 @@ from router.config import WorkerSpec
 log = logging.getLogger(__name__)
 
 LABEL_PREFIX = "kvroute.io/"
+# an engine with this many data-parallel ranks (vLLM --data-parallel-size): one routing
+# target per rank, its events read from the engine's per-rank sockets (not an agent)
+DATA_PARALLEL_SIZE_LABEL = LABEL_PREFIX + "data-parallel-size"
+MAX_DATA_PARALLEL_SIZE = 64
 PORT_HTTP = "http"
 PORT_HTTPS = "https"  # an engine serving TLS names its port https instead
 PORT_AGENT = "agent"
@@ -73,6 +79,9 @@ def workers_from_slice(slice_object: Mapping[str, Any]) -> list[WorkerSpec]:
             if key.startswith(LABEL_PREFIX)
         )
     )
+    data_parallel_size = _data_parallel_size(metadata.get("labels") or {})
+    if data_parallel_size > 1:
+        agent_port = None  # its ranks are followed on the engine's own sockets
     workers = []
     for endpoint in slice_object.get("endpoints") or []:
         conditions = endpoint.get("conditions") or {}
@@ -89,9 +98,16 @@ def workers_from_slice(slice_object: Mapping[str, Any]) -> list[WorkerSpec]:
                     agent_url=agent_url,
                     worker_id=str(name or address),
                     labels=labels,
+                    data_parallel_size=data_parallel_size,
                 )
             )
     return workers
+
+
+def _data_parallel_size(labels: Mapping[str, Any]) -> int:
+    """The slice's ``kvroute.io/data-parallel-size`` (1 when absent or not a count)."""
+    value = str(labels.get(DATA_PARALLEL_SIZE_LABEL, "1"))
+    return int(value) if value.isdigit() and 1 <= int(value) <= MAX_DATA_PARALLEL_SIZE else 1
 
 
 class SliceSet:

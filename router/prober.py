@@ -231,7 +231,7 @@ class Prober:
         self._registry.note_listing(listing)
         if worker.spec.agent_url is None:
             text = await self._metrics_text(session, worker)
-            load = worker.engine.load_from_metrics(text)
+            load = worker.engine.load_from_metrics(text, worker.spec.data_parallel_rank)
             self._registry.update_load(worker.view.worker_id, **load)
 
     async def _models(

@@ -51,7 +51,12 @@ from router.limits import UNKNOWN_VOCABULARY, ModelLimits, check_limits, model_l
 from router.metrics import RouterMetrics
 from router.prompt_tokenizers import LocalPromptTokenizer, TokenizerUnavailable
 from router.registry import RegisteredWorker, WorkerRegistry
-from router.request_context import RequestContext, forwardable, request_context
+from router.request_context import (
+    DATA_PARALLEL_RANK_HEADER,
+    RequestContext,
+    forwardable,
+    request_context,
+)
 from router.request_log import REQUEST_RECORD, RequestRecord, log_request
 from router.requests import ParsedRequest, RequestKind, first_prompt, parse_request
 from router.scheduling.scheduler import Scheduler
@@ -446,9 +451,14 @@ class Proxy:
         )
 
     def _worker_headers(self, spec: WorkerSpec | None, context: RequestContext) -> bytes:
-        """The worker's credentials line and the request context's lines. Inside an
-        attempt's ``upstream`` span (tracing on) the traceparent becomes that span's."""
-        authorization = self.credentials.authorization_line(spec) if self.credentials else b""
+        """The worker's own lines (credentials, data-parallel rank), then the request
+        context's. Inside an attempt's ``upstream`` span (tracing on) the traceparent
+        becomes that span's."""
+        own_lines = self.credentials.authorization_line(spec) if self.credentials else b""
+        if spec is not None and spec.data_parallel_rank is not None:  # one rank of an engine
+            own_lines += b"%s: %d\r\n" % (
+                DATA_PARALLEL_RANK_HEADER.encode(), spec.data_parallel_rank
+            )
         if self.tracer is not None:
             carrier: dict[str, str] = {}
             inject_trace_context(carrier)
@@ -458,7 +468,7 @@ class Proxy:
                     traceparent=carrier["traceparent"],
                     tracestate=carrier.get("tracestate"),
                 )
-        return context.worker_header_lines(authorization)
+        return context.worker_header_lines(own_lines)
 
     def _still_routable(self, worker_id: WorkerId, worker: RegisteredWorker | None) -> bool:
         return (

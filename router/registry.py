@@ -124,8 +124,13 @@ class WorkerRegistry:
         self._removal_listeners.append(callback)
 
     def apply_specs(self, specs: Iterable[WorkerSpec]) -> None:
-        """Make the registry match a discovery list: add new workers, remove gone ones."""
-        wanted = {WorkerId(s.worker_id): s for s in specs}
+        """Make the registry match a discovery list: add new workers, remove gone ones.
+        A data-parallel worker registers one target per rank (``WorkerSpec``)."""
+        wanted = {
+            WorkerId(target.worker_id): target
+            for spec in specs
+            for target in spec.data_parallel_targets()
+        }
         for worker_id in list(self.workers):
             if worker_id not in wanted or wanted[worker_id] != self.workers[worker_id].spec:
                 self.remove(worker_id)

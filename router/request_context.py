@@ -25,6 +25,8 @@ from aiohttp import web
 REQUEST_ID_HEADER = "x-request-id"
 TRACEPARENT_HEADER = "traceparent"
 TRACESTATE_HEADER = "tracestate"
+# vLLM runs a request on this data-parallel rank; the router sets it, never a client
+DATA_PARALLEL_RANK_HEADER = "x-data-parallel-rank"
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:@+=/-]{1,128}")
 # W3C Trace Context: version-traceid-parentid-flags, lowercase hex.
@@ -39,7 +41,7 @@ _NEVER_FORWARDED = frozenset(
         "authorization", "proxy-authorization", "cookie", "host", "content-length",
         "content-type", "content-encoding", "transfer-encoding", "connection", "keep-alive",
         "te", "trailer", "upgrade", "expect", "proxy-connection",
-        REQUEST_ID_HEADER, TRACEPARENT_HEADER, TRACESTATE_HEADER,
+        REQUEST_ID_HEADER, TRACEPARENT_HEADER, TRACESTATE_HEADER, DATA_PARALLEL_RANK_HEADER,
     )
 )  # fmt: skip
 

@@ -228,6 +228,7 @@ class SubscriptionManager:
                         feed,
                         worker.engine.kv_event_sources_path,
                         no_source_recheck_s=self._event_source_recheck_s,
+                        data_parallel_rank=worker.spec.data_parallel_rank,
                     ).run()
                 attempt = 0
             except asyncio.CancelledError:

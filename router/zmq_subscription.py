@@ -5,6 +5,9 @@ Endpoints come from the engine's ``/kv_event_sources`` (a bind address like
 on PUB and answers ``[b"", start_seq]`` on its replay ROUTER with every buffered batch
 from ``start_seq``, then an end marker (seq -1).
 
+A data-parallel engine announces one entry per rank (``{"0": ..., "1": ...}``: each rank
+publishes on its own sockets); a subscription for rank ``r`` follows entry ``r`` only.
+
 The seq rules (in order, gap, duplicate, restart) are ``kvindex.sequence``'s, shared
 with the agent; this module does the I/O around them. Recovery, weaker than the
 agent's (a replay buffer that wrapped loses older blocks):
@@ -90,8 +93,10 @@ class ZmqSubscription:
         sources_path: str = "/kv_event_sources",
         *,
         no_source_recheck_s: float = 30.0,
+        data_parallel_rank: int | None = None,
     ) -> None:
         self._session = session
+        self._data_parallel_rank = data_parallel_rank  # whose sockets to follow
         self._no_source_recheck_s = no_source_recheck_s
         self._context = context
         self._engine_url = engine_url
@@ -234,7 +239,12 @@ class ZmqSubscription:
             # NOTE: debug: asked again every no_source_recheck_s; the feed warns once
             log.debug("worker %s publishes no KV events", url)
             return None
-        config = sources.get("0") or next(iter(sources.values()))
+        rank = self._data_parallel_rank
+        if rank is None:
+            config = sources.get("0") or next(iter(sources.values()))
+        elif (config := sources.get(str(rank))) is None:
+            log.warning("worker %s announces no KV events for data-parallel rank %d", url, rank)
+            return None
         host = urlsplit(url).hostname or "127.0.0.1"
         endpoint = _connectable(str(config["endpoint"]), host)
         replay = config.get("replay_endpoint")

@@ -37,6 +37,9 @@ class EngineErrorAnswer(msgspec.Struct):
     message: str | None = None
 
 
+# vLLM labels each engine core's series with its data-parallel rank
+ENGINE_LABEL = "engine"
+
 _tokenize_decoder = msgspec.json.Decoder(TokenizeAnswer)
 _error_decoder = msgspec.json.Decoder(EngineErrorAnswer)
 
@@ -72,8 +75,9 @@ class EngineAdapter(Protocol):
 
     def parse_models(self, listing: Any) -> ModelListing: ...
 
-    def load_from_metrics(self, text: str) -> dict[str, float]:
-        """``WorkerLoad`` field -> value, from the engine's exposition."""
+    def load_from_metrics(self, text: str, rank: int | None = None) -> dict[str, float]:
+        """``WorkerLoad`` field -> value, from the engine's exposition; ``rank``: only
+        that data-parallel rank's samples (label ``engine``), else every sample summed."""
         ...
 
     def block_size_from_metrics(self, text: str) -> int | None: ...
@@ -143,14 +147,22 @@ class OpenAICompatibleAdapter:
                 roots[name] = root
         return ModelListing(frozenset(models), frozenset(loras), roots, lengths)
 
-    def load_from_metrics(self, text: str) -> dict[str, float]:
+    def load_from_metrics(self, text: str, rank: int | None = None) -> dict[str, float]:
         wanted = self.load_metric_to_field
         # NOTE: parse only the lines of interest; a full engine exposition is large.
         lines = "\n".join(line for line in text.splitlines() if line.startswith(tuple(wanted)))
+        engine = None if rank is None else str(rank)
         values: dict[str, float] = {}
+        # NOTE: without its TYPE line a series may come back as several families of one
+        # name (a sample each), so values add up across families
         for family in text_string_to_metric_families(lines):
             if family.name in wanted:
-                values[wanted[family.name]] = sum(s.value for s in family.samples)
+                field_name = wanted[family.name]
+                values[field_name] = values.get(field_name, 0.0) + sum(
+                    s.value
+                    for s in family.samples
+                    if engine is None or s.labels.get(ENGINE_LABEL) == engine
+                )
         return values
 
     def block_size_from_metrics(self, text: str) -> int | None:
