@@ -84,7 +84,7 @@ def test_requests_carry_the_chosen_rank_and_never_the_client_s() -> None:
                 for _ in range(4):  # round_robin: both ranks
                     async with s.post(url + "/v1/completions", json=body, headers=headers) as r:
                         assert r.status == 200, await r.text()
-        ranks = [h.get("x-data-parallel-rank") for h in worker.headers]
+        ranks = [h.get("x-data-parallel-rank", "") for h in worker.headers]
         assert sorted(ranks) == ["0", "0", "1", "1"], ranks
         assert all(h.get("x-tag") == "kept" for h in worker.headers)
 
