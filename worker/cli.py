@@ -8,7 +8,10 @@ exception its log names) and last log lines if the engine dies or is not healthy
 (``--cpu-kvcache-space``).
 
 ``--engine sim``: the simulator and the agent run in this one process and one event loop
-(cheap enough for 16 workers on 2 cores).
+(cheap enough for 16 workers on 2 cores). With ``--data-parallel-size`` > 1 the simulator
+runs that many ranks behind one URL, each with its own KV event sockets; the agent follows
+one event stream, so such a worker runs with ``--no-agent`` (routers follow every rank over
+``/kv_event_sources``), and the ready line names rank 0's sockets.
 
 The KV event PUB and replay sockets bind ``--events-host`` (default: ``--host``,
 itself loopback by default), never every interface unless asked: the events carry prompt
@@ -30,7 +33,7 @@ import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -47,6 +50,9 @@ from worker.vllm_launch import (
     root_cause,
     wait_healthy,
 )
+
+if TYPE_CHECKING:
+    from worker.sim.server import SimConfig
 
 LOOPBACK = "127.0.0.1"
 
@@ -138,6 +144,10 @@ def _configure_sim(parser: argparse.ArgumentParser) -> None:
     add("--hide-kv-events", action="store_true",
         help="advertise no KV event source (/kv_event_sources answers {}): a stock engine "
              "with events off, as routers see it; use with --no-agent")  # fmt: skip
+    add("--data-parallel-size", type=int, default=1,
+        help="data-parallel ranks behind the one engine URL (vLLM's flag), each with its own "
+             "KV cache and KV event sockets on --zmq-port + r and --replay-port + r "
+             "(0: free ports); needs --no-agent when > 1 (default %(default)s)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -329,11 +339,41 @@ async def _supervise(
 
 
 async def _run_sim(args: argparse.Namespace) -> int:
-    from worker.sim.server import SIM_STATE, SimConfig, create_sim_app
+    from worker.sim.server import SIM_STATE, create_sim_app
+
+    if args.data_parallel_size > 1 and not args.no_agent:
+        print("kvroute worker: the agent follows one KV event stream; a data-parallel "
+              "worker (--data-parallel-size > 1) needs --no-agent (routers follow each rank)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        sim_config = _sim_config(args)
+    except ValueError as exc:  # e.g. overlapping per-rank ports
+        print(f"kvroute worker: {exc}", file=sys.stderr)
+        return 2
+    stop, received = asyncio.Event(), list[int]()
+    _stop_on_signals(stop, received)
+    async with AsyncExitStack() as stack:
+        sim_app = create_sim_app(sim_config)  # binds the ZMQ sockets
+        publisher = sim_app[SIM_STATE].publisher  # rank 0's
+        events = _events_connect_host(args)
+        zmq = f"tcp://{events}:{publisher.port}"
+        replay = f"tcp://{events}:{publisher.replay_port}"
+        port = await _serve(stack, sim_app, args.host, args.port)
+        engine_url = f"http://{_connect_host(args)}:{port}"
+        agent_url = await _start_agent(stack, args, engine_url, zmq, replay)
+        _print_ready(engine_url, agent_url, zmq, replay)
+        await stop.wait()
+    return 0
+
+
+def _sim_config(args: argparse.Namespace) -> SimConfig:
+    """The simulator's config from the worker's flags (raises ValueError if invalid)."""
+    from worker.sim.server import SimConfig
 
     model, shipped_name = resolve_model(args.model)
     options: dict[str, Any] = {} if args.gpu_profile is None else {"gpu_profile": args.gpu_profile}
-    sim_config = SimConfig(
+    return SimConfig(
         model=Path(model),
         served_model_name=args.served_model_name or shipped_name,
         num_gpu_blocks=args.num_gpu_blocks,
@@ -349,22 +389,9 @@ async def _run_sim(args: argparse.Namespace) -> int:
         topic=args.topic,
         hash_seed=args.hash_seed,
         advertise_kv_events=not args.hide_kv_events,
+        data_parallel_size=args.data_parallel_size,
         **options,
     )
-    stop, received = asyncio.Event(), list[int]()
-    _stop_on_signals(stop, received)
-    async with AsyncExitStack() as stack:
-        sim_app = create_sim_app(sim_config)  # binds the ZMQ sockets
-        publisher = sim_app[SIM_STATE].publisher
-        events = _events_connect_host(args)
-        zmq = f"tcp://{events}:{publisher.port}"
-        replay = f"tcp://{events}:{publisher.replay_port}"
-        port = await _serve(stack, sim_app, args.host, args.port)
-        engine_url = f"http://{_connect_host(args)}:{port}"
-        agent_url = await _start_agent(stack, args, engine_url, zmq, replay)
-        _print_ready(engine_url, agent_url, zmq, replay)
-        await stop.wait()
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,10 +29,12 @@ class SimWorker:
     agent_url: str | None
 
     def spec(self, *, use_agent: bool = True, max_concurrency: int | None = None) -> WorkerSpec:
+        ranks = self.app[SIM_STATE].config.data_parallel_size
         return WorkerSpec(
             self.url,
-            agent_url=self.agent_url if use_agent else None,
+            agent_url=self.agent_url if use_agent and ranks == 1 else None,
             max_concurrency=max_concurrency,
+            data_parallel_size=ranks,
         )
 
 
@@ -45,7 +47,9 @@ async def sim_fleet(
     num_gpu_blocks: int = 2048,
     speedup: float = 20.0,
     agent_token: str | None = None,
+    data_parallel_size: int = 1,
 ) -> AsyncIterator[list[SimWorker]]:
+    """``data_parallel_size`` > 1: each worker runs that many ranks (no agent then)."""
     runners: list[web.AppRunner] = []
     workers: list[SimWorker] = []
     try:
@@ -56,6 +60,7 @@ async def sim_fleet(
                 block_size=BLOCK_SIZE,
                 speedup=speedup,
                 zmq_host="127.0.0.1",
+                data_parallel_size=data_parallel_size,
             )
             app = create_sim_app(config)
             runner, url = await start_server(app, "127.0.0.1", 0)

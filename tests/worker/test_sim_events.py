@@ -73,8 +73,12 @@ def subscribe(sim: SimServer, context: zmq.Context[zmq.Socket[bytes]]) -> zmq.So
     sub.setsockopt(zmq.RCVTIMEO, 200)
     sub.connect(sim.zmq_endpoint)
     deadline = time.monotonic() + 20
+    probe = 0
     while time.monotonic() < deadline:
-        complete(sim, [1] * 40)  # PUB drops until the subscription has propagated
+        # PUB drops until the subscription has propagated; each probe is a new prompt,
+        # since a repeat would be a cache hit that stores (and publishes) nothing
+        probe += 1
+        complete(sim, [1 + probe % 200] * 40)
         try:
             sub.recv_multipart()
             break

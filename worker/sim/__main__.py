@@ -49,6 +49,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="CPU tier: blocks evicted from GPU kept in a CPU LRU of this size (0: off)",
     )
     parser.add_argument("--hash-seed", default="0")  # fmt: skip
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="data-parallel ranks behind this server, each with its own KV cache and KV "
+        "event sockets on --zmq-port + r / --replay-port + r (default 1)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -69,6 +76,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         replay_port=args.replay_port,
         topic=args.topic,
         hash_seed=args.hash_seed,
+        data_parallel_size=args.data_parallel_size,
     )
 
 
@@ -76,13 +84,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m worker.sim", description=__doc__)
     configure(parser)
     args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:  # e.g. a bad --data-parallel-size
+        parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    app = create_sim_app(config_from_args(args))
+    app = create_sim_app(config)
     state = app[SIM_STATE]
+    events = " ".join(
+        f"events {rank.publisher.endpoint} replay {rank.publisher.replay_endpoint}"
+        for rank in state.ranks
+    )
     print(
-        f"sim engine {state.served_model_name}: http://{args.host}:{args.port} "
-        f"events {state.publisher.endpoint} replay {state.publisher.replay_endpoint} "
-        f"blocks {state.num_gpu_blocks}x{args.block_size} speedup {args.speedup}",
+        f"sim engine {state.served_model_name}: http://{args.host}:{args.port} {events} "
+        f"blocks {state.num_gpu_blocks}x{args.block_size} speedup {args.speedup} "
+        f"ranks {len(state.ranks)}",
         flush=True,
     )
     try:

@@ -1,9 +1,14 @@
 """Prometheus metrics with vLLM's names and labels (``vllm/v1/metrics/loggers.py``).
 
-Every series carries ``model_name`` (the served name) and ``engine`` ("0"), as vLLM's.
-Gauges are read from the scheduler at scrape time (no per-step cost); counters and
-histograms are updated by the engine. Times are wall-clock seconds as clients see
-them (simulated time divided by the speed-up). One registry per app.
+Every series carries ``model_name`` (the served name) and ``engine`` (the data-parallel
+rank, "0" without data parallelism), as vLLM's. Gauges are read from the schedulers at
+scrape time (no per-step cost); counters and histograms are updated by the engines. Times
+are wall-clock seconds as clients see them (simulated time divided by the speed-up).
+
+One registry per app (``SimMetricsRegistry``), whatever the number of ranks: each family
+is registered once and has one labelled child per rank, so the exposition names every
+family once (repeating a family, as concatenated registries would, is invalid). Each
+rank's engine updates its own children through a ``SimMetrics``.
 
 Simulator-only series use the ``kvroute_sim_`` prefix, except
 ``kvroute:prefill_tokens_queued``, which the agent reads as any engine's.
@@ -11,7 +16,7 @@ Simulator-only series use the ``kvroute_sim_`` prefix, except
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -56,9 +61,10 @@ def prefill_tokens_queued(scheduler: Scheduler) -> int:
     return total
 
 
-def cache_config_labels(scheduler: Scheduler) -> dict[str, str]:
+def cache_config_labels(scheduler: Scheduler, engine: str = "0") -> dict[str, str]:
     """``vllm:cache_config_info`` labels: vLLM's ``CacheConfig.metrics_info()`` names
-    (``str()`` of each value, as vLLM writes them) for the fields the simulator has."""
+    (``str()`` of each value, as vLLM writes them) for the fields the simulator has, and
+    the rank's ``engine`` label."""
     config = scheduler.config
     return {
         "block_size": str(config.block_size),
@@ -66,58 +72,64 @@ def cache_config_labels(scheduler: Scheduler) -> dict[str, str]:
         "num_cpu_blocks": "None",
         "enable_prefix_caching": str(config.enable_caching),
         "cache_dtype": "auto",
-        "engine": "0",
+        "engine": engine,
     }
+
+
+def _scheduler_gauge_values(scheduler: Scheduler) -> tuple[tuple[str, str, float], ...]:
+    """(name, doc, value) of each gauge read from one rank's scheduler."""
+    return (
+        ("vllm:num_requests_running", "Number of requests in model execution batches.",
+         len(scheduler.running)),
+        ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+         len(scheduler.waiting)),
+        ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+         scheduler.kv.usage()),
+        (PREFILL_TOKENS_QUEUED, "Prompt tokens still to prefill (waiting + running).",
+         prefill_tokens_queued(scheduler)),
+    )  # fmt: skip
 
 
 class _SchedulerGauges(Collector):
     """Running/waiting requests, KV usage and queued prefill, read when scraped; the
-    cache config as an info gauge (always 1), as vLLM exports it."""
+    cache config as an info gauge (always 1), as vLLM exports it. One family per metric,
+    one sample per rank (``schedulers[r]`` is rank r)."""
 
-    def __init__(self, scheduler: Scheduler, labels: list[str]) -> None:
-        self._scheduler = scheduler
-        self._labels = labels
-        self._cache_config = cache_config_labels(scheduler)
+    def __init__(self, schedulers: Sequence[Scheduler], model_name: str) -> None:
+        self._schedulers = list(schedulers)
+        self._model_name = model_name
+        self._cache_configs = [
+            cache_config_labels(scheduler, str(rank))
+            for rank, scheduler in enumerate(self._schedulers)
+        ]
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        scheduler = self._scheduler
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
-            labels=list(self._cache_config),
+            labels=list(self._cache_configs[0]),
         )
-        info.add_metric(list(self._cache_config.values()), 1.0)
+        for cache_config in self._cache_configs:
+            info.add_metric(list(cache_config.values()), 1.0)
         yield info
-        for name, doc, value in (
-            ("vllm:num_requests_running", "Number of requests in model execution batches.",
-             len(scheduler.running)),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-             len(scheduler.waiting)),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-             scheduler.kv.usage()),
-            (PREFILL_TOKENS_QUEUED, "Prompt tokens still to prefill (waiting + running).",
-             prefill_tokens_queued(scheduler)),
-        ):  # fmt: skip
-            family = GaugeMetricFamily(name, doc, labels=list(LABELS))
-            family.add_metric(self._labels, float(value))
-            yield family
+        families: dict[str, GaugeMetricFamily] = {}
+        for rank, scheduler in enumerate(self._schedulers):
+            for name, doc, value in _scheduler_gauge_values(scheduler):
+                if name not in families:
+                    families[name] = GaugeMetricFamily(name, doc, labels=list(LABELS))
+                families[name].add_metric([self._model_name, str(rank)], float(value))
+        yield from families.values()
 
 
-class SimMetrics:
-    """The registry and the series the engine updates."""
+class _Families:
+    """The counter and histogram families, each registered once in ``registry``."""
 
-    def __init__(self, scheduler: Scheduler, model_name: str) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        labels = [model_name, "0"]
-        self.registry.register(_SchedulerGauges(scheduler, labels))
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, LABELS, registry=self.registry).labels(*labels)
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def counter(name: str, doc: str, extra_labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, [*LABELS, *extra_labels], registry=registry)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, LABELS, registry=self.registry, buckets=buckets).labels(
-                *labels
-            )
+            return Histogram(name, doc, LABELS, registry=registry, buckets=buckets)
 
         self.prefix_cache_queries = counter(
             "vllm:prefix_cache_queries",
@@ -136,13 +148,11 @@ class SimMetrics:
         self.prompt_tokens_cached = counter(
             "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
         )
-        self._request_success = Counter(
+        self.request_success = counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
-            [*LABELS, "finished_reason"],
-            registry=self.registry,
+            ("finished_reason",),
         )
-        self._labels = labels
         self.time_to_first_token = histogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
@@ -163,21 +173,51 @@ class SimMetrics:
             "Histogram of number of tokens per engine_step.",
             ITERATION_TOKENS_BUCKETS,
         )
-        self.sim_steps = Counter(
-            "kvroute_sim_steps", "Simulated engine steps.", LABELS, registry=self.registry
-        ).labels(*labels)
-        self.sim_seconds = Counter(
-            "kvroute_sim_simulated_seconds",
-            "Simulated GPU time (seconds, before the speed-up).",
-            LABELS,
-            registry=self.registry,
-        ).labels(*labels)
-        self.sim_lag_seconds = Counter(
+        self.sim_steps = counter("kvroute_sim_steps", "Simulated engine steps.")
+        self.sim_seconds = counter(
+            "kvroute_sim_simulated_seconds", "Simulated GPU time (seconds, before the speed-up)."
+        )
+        self.sim_lag_seconds = counter(
             "kvroute_sim_lag_seconds",
             "Wall seconds the engine fell behind its (scaled) real-time schedule.",
-            LABELS,
-            registry=self.registry,
-        ).labels(*labels)
+        )
+
+
+class SimMetrics:
+    """The series one rank's engine updates: that rank's children of the shared families
+    (labels ``model_name``, ``engine=str(rank)``). Created eagerly, so every rank exposes
+    every series (at zero) from the first scrape."""
+
+    def __init__(self, families: _Families, model_name: str, rank: int) -> None:
+        labels = (model_name, str(rank))
+        self._labels = labels
+        self._request_success = families.request_success
+        self.prefix_cache_queries = families.prefix_cache_queries.labels(*labels)
+        self.prefix_cache_hits = families.prefix_cache_hits.labels(*labels)
+        self.num_preemptions = families.num_preemptions.labels(*labels)
+        self.prompt_tokens = families.prompt_tokens.labels(*labels)
+        self.generation_tokens = families.generation_tokens.labels(*labels)
+        self.prompt_tokens_cached = families.prompt_tokens_cached.labels(*labels)
+        self.time_to_first_token = families.time_to_first_token.labels(*labels)
+        self.inter_token_latency = families.inter_token_latency.labels(*labels)
+        self.e2e_request_latency = families.e2e_request_latency.labels(*labels)
+        self.iteration_tokens = families.iteration_tokens.labels(*labels)
+        self.sim_steps = families.sim_steps.labels(*labels)
+        self.sim_seconds = families.sim_seconds.labels(*labels)
+        self.sim_lag_seconds = families.sim_lag_seconds.labels(*labels)
 
     def on_request_finished(self, reason: str) -> None:
         self._request_success.labels(*self._labels, reason).inc()
+
+
+class SimMetricsRegistry:
+    """The app's one registry: scheduler gauges for every rank, and ``ranks[r]``, the
+    ``SimMetrics`` rank r's engine updates (``schedulers[r]`` is rank r's scheduler)."""
+
+    def __init__(self, schedulers: Sequence[Scheduler], model_name: str) -> None:
+        if not schedulers:
+            raise ValueError("at least one rank's scheduler is needed")
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_SchedulerGauges(schedulers, model_name))
+        families = _Families(self.registry)
+        self.ranks = [SimMetrics(families, model_name, rank) for rank in range(len(schedulers))]
