@@ -125,6 +125,7 @@ def create_app(
         _event_loop_tasks,
         lambda: app[UPSTREAM].num_connections() if UPSTREAM in app else 0,
     )
+    metrics.add_tokenize_cache_collector(tokenizers.segment_cache_stats)
     app[CONFIG] = config
     app[INDEX] = index
     app[FLEET] = fleet

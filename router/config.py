@@ -219,6 +219,13 @@ class RouterConfig:
     tokenize_threads: int = option(
         2, "threads that tokenize large prompts off the event loop", minimum=1
     )
+    tokenize_cache_tokens: int = option(
+        2_000_000,
+        "token ids of long prompt segments (4096+ characters between special tokens, e.g. "
+        "a document in its own message) kept per tenant in one LRU, so a repeat is not "
+        "tokenized again; about 40 bytes per token; 0: off",
+        minimum=0,
+    )
     block_size: int | None = option(
         None,
         "KV block size to assume when a worker does not tell "

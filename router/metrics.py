@@ -26,10 +26,11 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from router.scheduling.types import WorkerView
+from router.token_segments import SegmentCacheStats
 
 # NOTE: ``_created`` series double the exposition and no query of ours reads them;
 # prometheus_client only offers a process-wide switch, flipped when this module loads.
@@ -234,6 +235,10 @@ class RouterMetrics:
         """Register scrape-time gauges of the router process's own resources."""
         self.registry.register(_RuntimeCollector(event_loop_tasks, upstream_connections))
 
+    def add_tokenize_cache_collector(self, stats: Callable[[], SegmentCacheStats | None]) -> None:
+        """Register scrape-time counters of the prompt segment cache (zeros when off)."""
+        self.registry.register(_TokenizeCacheCollector(stats))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -355,6 +360,41 @@ class _RuntimeCollector(Collector):
         )
         connections.add_metric([], float(self._upstream_connections()))
         return [tasks, connections]
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+
+class _TokenizeCacheCollector(Collector):
+    """The prompt segment cache's counters, read at scrape time (the cache counts under
+    its own lock, so the hot path pays no metric call)."""
+
+    def __init__(self, stats: Callable[[], SegmentCacheStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self._stats() or SegmentCacheStats(0, 0, 0, 0, 0, 0)
+        counters = (
+            ("hits", stats.hits, "Long prompt segments (4096+ characters between special "
+             "tokens) whose token ids came from the tokenize cache, tenant-scoped; local "
+             "tokenizers only"),
+            ("misses", stats.misses, "Long prompt segments tokenized because the tokenize "
+             "cache did not hold them for the request's tenant; local tokenizers only"),
+            ("evictions", stats.evictions, "Tokenize cache entries dropped to stay under "
+             "--tokenize-cache-tokens"),
+        )  # fmt: skip
+        families: list[Metric] = []
+        for name, value, text in counters:
+            family = CounterMetricFamily(_PREFIX + "tokenize_cache_" + name, text)
+            family.add_metric([], float(value))
+            families.append(family)
+        tokens = GaugeMetricFamily(
+            _PREFIX + "tokenize_cache_tokens",
+            "Tokens the tokenize cache holds, plus a fixed charge per entry (at most "
+            "--tokenize-cache-tokens)",
+        )
+        tokens.add_metric([], float(stats.charged_tokens))
+        return [*families, tokens]
 
     def describe(self) -> Iterable[Metric]:
         return []

@@ -5,10 +5,15 @@
 - ``LocalPromptTokenizer``: the model's own tokenizer files and chat template
   (``router.tokenization.ModelTokenizer``) run on ``TokenizePool``, a bounded thread
   pool, so a huge prompt never stalls the event loop (``/health``, other requests);
+  long prompt segments are cached per tenant (``router.token_segments``);
 - ``EnginePromptTokenizer``: ``POST /tokenize`` on a worker serving the model, for
   models whose template the local renderer cannot reproduce. Identical concurrent
-  requests share one call, answers are kept in a bounded LRU keyed by a hash of the
-  request, and at most ``max_in_flight`` calls run at once.
+  requests of one tenant share one call, answers are kept in a bounded LRU keyed by a
+  hash of the tenant and the request, and at most ``max_in_flight`` calls run at once.
+
+Tenant isolation: every cache is keyed by the request's ``CacheScope`` (tenant id and
+``cache_salt``): a request never hits (nor waits on) what another tenant's requests
+stored, so its timing tells nothing of their prompts.
 
 Both raise ``TokenizationError`` for a request the tokenizer refuses (a 400 for the
 client) and ``TokenizerUnavailable`` when no answer can be had now (a 503).
@@ -31,6 +36,7 @@ from kvindex.hashing import fingerprint
 from router.chat_messages import TokenizationError
 from router.engines import EngineAdapter
 from router.requests import RequestKind, first_prompt
+from router.token_segments import CacheScope
 from router.tokenization import ModelTokenizer
 
 log = logging.getLogger(__name__)
@@ -59,10 +65,16 @@ class PromptTokenizer(Protocol):
     vocab_size: int | None  # token ids must be below it (None: only the engine knows)
 
     async def token_ids(
-        self, kind: RequestKind, body: Mapping[str, Any], *, size_hint: int
+        self,
+        kind: RequestKind,
+        body: Mapping[str, Any],
+        *,
+        size_hint: int,
+        tenant: str | None = None,
     ) -> list[int]:
         """``body`` is a validated request whose (first) prompt is text or messages;
-        ``size_hint`` its size in bytes (chooses inline or pooled work)."""
+        ``size_hint`` its size in bytes (chooses inline or pooled work); ``tenant`` the
+        authenticated tenant (None: anonymous), which scopes any cache."""
         ...
 
 
@@ -108,13 +120,21 @@ class LocalPromptTokenizer:
         self._pool = pool
 
     async def token_ids(
-        self, kind: RequestKind, body: Mapping[str, Any], *, size_hint: int
+        self,
+        kind: RequestKind,
+        body: Mapping[str, Any],
+        *,
+        size_hint: int,
+        tenant: str | None = None,
     ) -> list[int]:
+        scope = cache_scope(tenant, body)
         if size_hint < INLINE_MAX_BYTES:
-            return self._token_ids(kind, body)
-        return await self._pool.run(lambda: self._token_ids(kind, body))
+            return self._token_ids(kind, body, scope)
+        return await self._pool.run(lambda: self._token_ids(kind, body, scope))
 
-    def _token_ids(self, kind: RequestKind, body: Mapping[str, Any]) -> list[int]:
+    def _token_ids(
+        self, kind: RequestKind, body: Mapping[str, Any], scope: CacheScope
+    ) -> list[int]:
         if kind == "completion":
             add_special_tokens = body.get("add_special_tokens", True)
             if not isinstance(add_special_tokens, bool):
@@ -124,9 +144,16 @@ class LocalPromptTokenizer:
                 )
             prompt = first_prompt(body["prompt"])
             return self.tokenizer.completion_token_ids(
-                prompt, add_special_tokens=add_special_tokens
+                prompt, add_special_tokens=add_special_tokens, cache_scope=scope
             )
-        return self.tokenizer.chat_request_token_ids(body)
+        return self.tokenizer.chat_request_token_ids(body, cache_scope=scope)
+
+
+def cache_scope(tenant: str | None, body: Mapping[str, Any]) -> CacheScope:
+    """The scope a request may share cached tokenizer work within: its tenant and its
+    ``cache_salt`` (the tenant's own when authenticated; an anonymous client's choice)."""
+    salt = body.get("cache_salt")
+    return CacheScope(tenant, salt if isinstance(salt, str) else None)
 
 
 EngineEndpoints = Callable[[str], list[tuple[str, EngineAdapter]]]
@@ -172,12 +199,20 @@ class EnginePromptTokenizer:
         self.num_engine_calls = 0  # calls that reached an engine (tests, metrics)
 
     async def token_ids(
-        self, kind: RequestKind, body: Mapping[str, Any], *, size_hint: int
+        self,
+        kind: RequestKind,
+        body: Mapping[str, Any],
+        *,
+        size_hint: int,
+        tenant: str | None = None,
     ) -> list[int]:
         if kind == "completion":
             body = {**body, "prompt": first_prompt(body["prompt"])}
         request = _canonical(kind, body)
-        key = hashlib.blake2b(_encoder.encode([kind, request]), digest_size=16).digest()
+        scope = cache_scope(tenant, body)
+        key = hashlib.blake2b(
+            _encoder.encode([kind, scope.tenant, scope.cache_salt, request]), digest_size=16
+        ).digest()
         cached = self._cache.get(key)
         if cached is not None:
             self._cache.move_to_end(key)

@@ -166,7 +166,7 @@ class Proxy:
         check_limits(parsed, limits, self.config.max_n, self.config.max_chars_per_token)
         tenant = self._apply_tenant(request, parsed)
         started_ns = time.time_ns()
-        routing = await self._routing_request(parsed, len(raw))
+        routing = await self._routing_request(parsed, len(raw), tenant=record.tenant)
         record.tokenize_ns = (started_ns, time.time_ns())
         if parsed.stream and not parsed.client_wants_usage:
             options = dict(parsed.body.get("stream_options") or {})
@@ -277,13 +277,15 @@ class Proxy:
         self.metrics.rejected.labels(reason="unknown_model").inc()
         raise model_not_found(model)
 
-    async def _routing_request(self, parsed: ParsedRequest, size: int) -> RoutingRequest:
+    async def _routing_request(
+        self, parsed: ParsedRequest, size: int, *, tenant: str | None
+    ) -> RoutingRequest:
         start = time.perf_counter()
         model = parsed.model
         base_model = self._base_model_of_lora(model)
         body = parsed.body
         try:
-            token_ids = await self._token_ids(base_model or model, parsed, size)
+            token_ids = await self._token_ids(base_model or model, parsed, size, tenant=tenant)
         except ApiError:
             raise
         except TokenizerUnavailable as exc:
@@ -316,8 +318,11 @@ class Proxy:
                 tenant, routing.cache_salt, routing.model, routing.prompt_token_ids, block_size
             )
 
-    async def _token_ids(self, model: str, parsed: ParsedRequest, size: int) -> list[int]:
-        """The prompt token ids the engine will see ([]: routed by load alone)."""
+    async def _token_ids(
+        self, model: str, parsed: ParsedRequest, size: int, *, tenant: str | None
+    ) -> list[int]:
+        """The prompt token ids the engine will see ([]: routed by load alone); ``tenant``
+        scopes the tokenizer's caches."""
         body = parsed.body
         if parsed.kind == "completion":
             prompt = first_prompt(body["prompt"])
@@ -329,7 +334,7 @@ class Proxy:
         if tokenizer is None:  # load_only: no tokenizer configured for this model
             self.metrics.without_prefix_info.labels(model=model).inc()
             return []
-        return await tokenizer.token_ids(parsed.kind, body, size_hint=size)
+        return await tokenizer.token_ids(parsed.kind, body, size_hint=size, tenant=tenant)
 
     def _base_model_of_lora(self, model: str) -> str | None:
         """The base model a LoRA adapter runs on (None: ``model`` is not a LoRA)."""

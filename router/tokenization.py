@@ -24,7 +24,10 @@ Multimodal parts are refused (``TokenizationError``): their placeholder expansio
 engine's business, and a router that guessed would predict wrong blocks.
 
 Cost: rendering is a compiled-template call; encoding is the Rust tokenizer (about
-1 us per token on this machine for the byte-level test tokenizer).
+1 us per token on this machine for the byte-level test tokenizer). With a
+``SegmentCache`` and a ``CacheScope`` (the router's tenant), long text between special
+tokens (a document in its own message, a repeated long completion prompt) is encoded once
+per scope and then read from the cache, with the same ids (``router.token_segments``).
 """
 
 from __future__ import annotations
@@ -52,11 +55,9 @@ from router.chat_messages import (
     parse_messages,
     tag_final_message,
 )
+from router.token_segments import CacheScope, SegmentCache, SegmentedEncoder, encode_text
 
 __all__ = ["ModelTokenizer", "TokenizationError"]
-
-
-_GIL_RELEASE_MIN_CHARS = 4096  # shorter texts encode in microseconds, GIL or not
 
 _SPECIAL_TOKEN_ATTRIBUTES = (
     "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"
@@ -135,8 +136,14 @@ class _ChatTemplate:
 
 
 class ModelTokenizer:
-    """One model's tokenizer and chat template. Immutable after construction; thread-safe
-    for reads (``tokenizers`` encodes without the GIL held, Jinja templates are pure)."""
+    """One model's tokenizer and chat template. Immutable after construction (the segment
+    cache it may share is thread-safe); thread-safe for reads (``tokenizers`` encodes
+    without the GIL held, Jinja templates are pure).
+
+    Every ``*_token_ids`` method takes ``cache_scope``: None (the default) encodes the
+    whole text; a scope reads and fills the segment cache, when there is one and the
+    tokenizer passed its self-check (``segment_caching``). The ids are the same.
+    """
 
     def __init__(
         self,
@@ -147,6 +154,7 @@ class ModelTokenizer:
         chat_template: str | None,
         content_format: ContentFormat | None = None,
         path: Path | None = None,
+        segment_cache: SegmentCache | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.path = path
@@ -156,10 +164,18 @@ class ModelTokenizer:
         self._template = (
             None if chat_template is None else _make_template(chat_template, content_format)
         )
+        self._segments: SegmentedEncoder | None = None
+        if segment_cache is not None:  # the self-check may refuse the tokenizer (None)
+            name, hint = str(path or self.fingerprint), chat_template or ""
+            self._segments = SegmentedEncoder.build(tokenizer, segment_cache, name=name, hint=hint)
 
     @classmethod
     def from_dir(
-        cls, path: Path | str, *, content_format: ContentFormat | None = None
+        cls,
+        path: Path | str,
+        *,
+        content_format: ContentFormat | None = None,
+        segment_cache: SegmentCache | None = None,
     ) -> ModelTokenizer:
         """Load ``tokenizer.json`` (+ ``tokenizer_config.json``, ``chat_template.jinja``)."""
         folder = Path(path)
@@ -188,6 +204,7 @@ class ModelTokenizer:
             chat_template=chat_template,
             content_format=content_format,
             path=folder,
+            segment_cache=segment_cache,
         )
 
     # -- public API ------------------------------------------------------------------
@@ -195,6 +212,11 @@ class ModelTokenizer:
     @property
     def has_chat_template(self) -> bool:
         return self._template is not None
+
+    @property
+    def segment_caching(self) -> bool:
+        """True when long segments are cached (a cache was given, the self-check passed)."""
+        return self._segments is not None
 
     def namespace(self, model: str, block_size: int, model_revision: str = "") -> Namespace:
         """The base block-hash namespace of a worker serving this tokenizer."""
@@ -207,26 +229,30 @@ class ModelTokenizer:
         )
 
     def completion_token_ids(
-        self, prompt: str | Sequence[int], *, add_special_tokens: bool = True
+        self,
+        prompt: str | Sequence[int],
+        *,
+        add_special_tokens: bool = True,
+        cache_scope: CacheScope | None = None,
     ) -> list[int]:
         """Token ids of a ``/v1/completions`` prompt (text, or token ids passed through)."""
         if isinstance(prompt, str):
-            return self.encode(prompt, add_special_tokens=add_special_tokens)
+            return self.encode(
+                prompt, add_special_tokens=add_special_tokens, cache_scope=cache_scope
+            )
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
             raise TokenizationError("prompt token ids must be non-negative integers", "prompt")
         return list(prompt)
 
-    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        # NOTE: ``encode_batch_fast`` releases the GIL while the Rust tokenizer runs,
-        # ``encode`` holds it; a long text encoded on a worker thread must not stall the
-        # event loop. The fast variant skips the offsets (unused here): same ids, 2-3x
-        # faster on long prompts (36 -> 18 ms for 128K tokens, BENCHMARKS.md).
-        if len(text) < _GIL_RELEASE_MIN_CHARS:
-            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
-        (encoding,) = self.tokenizer.encode_batch_fast(
-            [text], add_special_tokens=add_special_tokens
-        )
-        return list(encoding.ids)
+    def encode(
+        self, text: str, *, add_special_tokens: bool, cache_scope: CacheScope | None = None
+    ) -> list[int]:
+        """The ids of ``text``, through the segment cache when given a scope."""
+        if cache_scope is not None and self._segments is not None:
+            return self._segments.encode(
+                text, add_special_tokens=add_special_tokens, scope=cache_scope
+            )
+        return encode_text(self.tokenizer, text, add_special_tokens=add_special_tokens)
 
     def chat_token_ids(
         self,
@@ -238,6 +264,7 @@ class ModelTokenizer:
         add_special_tokens: bool = False,
         documents: list[dict[str, str]] | None = None,
         reasoning_effort: str | None = None,
+        cache_scope: CacheScope | None = None,
         **template_kwargs: Any,
     ) -> list[int]:
         """Token ids of a ``/v1/chat/completions`` request, with vLLM's defaults."""
@@ -250,9 +277,11 @@ class ModelTokenizer:
             reasoning_effort=reasoning_effort,
             **template_kwargs,
         )
-        return self.encode(rendered, add_special_tokens=add_special_tokens)
+        return self.encode(rendered, add_special_tokens=add_special_tokens, cache_scope=cache_scope)
 
-    def chat_request_token_ids(self, body: Mapping[str, Any]) -> list[int]:
+    def chat_request_token_ids(
+        self, body: Mapping[str, Any], *, cache_scope: CacheScope | None = None
+    ) -> list[int]:
         """Token ids of a whole ``/v1/chat/completions`` body, merged as vLLM merges it.
 
         ``chat_template_kwargs`` first, then the request's own fields over them
@@ -285,12 +314,11 @@ class ModelTokenizer:
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise TokenizationError("'tools' must be a list", "tools")
-        return self.chat_token_ids(
-            messages,
-            tools=tools,
-            add_special_tokens=_flag(body, "add_special_tokens", False),
-            **merged,
-        )
+        add_special_tokens = _flag(body, "add_special_tokens", False)
+        # NOTE: not through chat_token_ids(**merged): a client's chat_template_kwargs
+        # must never reach its cache_scope parameter.
+        rendered = self.render_chat(messages, tools=tools, **merged)
+        return self.encode(rendered, add_special_tokens=add_special_tokens, cache_scope=cache_scope)
 
     def render_chat(
         self,

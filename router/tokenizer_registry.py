@@ -20,6 +20,9 @@ blocks no worker holds, so every prediction misses and nobody notices.
 
 NOTE: a model root is a path a worker reports; only the three tokenizer files are read
 from it, and a folder without ``tokenizer.json`` is ignored.
+
+Local tokenizers share one ``SegmentCache`` of ``--tokenize-cache-tokens`` tokens (0: none)
+for the token ids of long prompt segments (``router.token_segments``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from router.prompt_tokenizers import (
     PromptTokenizer,
     TokenizePool,
 )
+from router.token_segments import SegmentCache, SegmentCacheStats
 from router.tokenization import ModelTokenizer
 
 log = logging.getLogger(__name__)
@@ -76,6 +80,9 @@ class TokenizerRegistry:
         self._endpoints = endpoints
         self._session = session
         self.pool = TokenizePool(config.tokenize_threads)
+        self.segment_cache = (
+            SegmentCache(config.tokenize_cache_tokens) if config.tokenize_cache_tokens else None
+        )
         self._by_dir: dict[Path, LocalPromptTokenizer] = {}
         self._by_model: dict[str, PromptTokenizer | None] = {}
         for folder in config.tokenizers.values():  # a bad folder fails at startup
@@ -109,6 +116,10 @@ class TokenizerRegistry:
         self._by_model[model] = tokenizer
         return tokenizer
 
+    def segment_cache_stats(self) -> SegmentCacheStats | None:
+        """The segment cache's counters (None: the cache is off)."""
+        return None if self.segment_cache is None else self.segment_cache.stats()
+
     def close(self) -> None:
         self.pool.close()
 
@@ -134,7 +145,8 @@ class TokenizerRegistry:
         folder = folder.resolve()
         tokenizer = self._by_dir.get(folder)
         if tokenizer is None:
-            tokenizer = LocalPromptTokenizer(ModelTokenizer.from_dir(folder), self.pool)
+            model_tokenizer = ModelTokenizer.from_dir(folder, segment_cache=self.segment_cache)
+            tokenizer = LocalPromptTokenizer(model_tokenizer, self.pool)
             self._by_dir[folder] = tokenizer
         return tokenizer
 

@@ -18,10 +18,22 @@ chains up to the total. Then times, on the same index and prompts, in one run:
   chosen worker, because every Decision carries its predicted cached tokens);
 - baseline naive scoring: the same cost model, but one index lookup per worker;
 - tokenization, reported apart: an 8,192-token chat request and completion prompt
-  with the shipped tiny tokenizer (byte-level: one token per byte).
+  with the shipped tiny tokenizer (byte-level: one token per byte);
+- tokenize + hash + decide (``cache_aware``) in the long-context workload (one long
+  document, a new question each time), with the prompt segment cache
+  (``router.token_segments``, ``--tokenize-cache-tokens``) off and on, alternated
+  request by request (each first every other time): a chat request with the document
+  in its own message, the same long completion prompt again, and a completion prompt
+  holding the document and the question in one text (one segment: nothing to reuse,
+  every request a miss). Each case's document is in the index on 4 workers, as
+  cache_aware keeps a document on few workers. Iteration 0 is the warm-up (the cache's
+  first sight of the document) and is not counted;
+- how a cached 128K-id hit turns back into a list (150K-entry vocabulary): from a
+  tuple (what the cache keeps) and from ``array('i')`` (4x smaller).
 
-Prints a table (microseconds) and writes JSON. Fixed seed; predictions expire on a
-simulated clock so the index does not grow across iterations.
+Prints a table (microseconds), the cache off/on comparison (milliseconds), and writes
+JSON. Fixed seed; predictions expire on a simulated clock so the index does not grow
+across iterations.
 """
 
 from __future__ import annotations
@@ -36,15 +48,19 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvindex.hashing import Namespace, PrefixChainCache, hash_prompt
 from kvindex.index import PrefixIndex, WorkerId
 from kvindex.protocol import BlockStored
+from router.config import RouterConfig
 from router.scheduling.cost_model import TierCosts, effective_uncached_tokens, expected_ttft
 from router.scheduling.rates import RateLearner
 from router.scheduling.registry import create_policy
 from router.scheduling.scheduler import Scheduler
 from router.scheduling.types import RoutingRequest, WorkerLoad, WorkerView
+from router.token_segments import CacheScope, SegmentCache
+from router.tokenization import ModelTokenizer
 
 MODEL = "bench-model"
 NUM_QUERIES = 32
@@ -128,9 +144,10 @@ def time_calls(
 
 def summary(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
+    p90 = ordered[min(len(ordered) - 1, int(0.90 * len(ordered)))]
     p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-    return {"p50_us": statistics.median(ordered) * 1e6, "p99_us": p99 * 1e6,
-            "mean_us": statistics.fmean(ordered) * 1e6}  # fmt: skip
+    return {"p50_us": statistics.median(ordered) * 1e6, "p90_us": p90 * 1e6,
+            "p99_us": p99 * 1e6, "mean_us": statistics.fmean(ordered) * 1e6}  # fmt: skip
 
 
 def bench_scheduler(
@@ -186,7 +203,6 @@ def bench_naive(
 
 
 def bench_tokenize(prompt_tokens: int, n: int) -> dict[str, dict[str, list[float]]]:
-    from router.tokenization import ModelTokenizer
     from worker.models import model_dir
 
     tokenizer = ModelTokenizer.from_dir(model_dir("tiny"))
@@ -212,6 +228,170 @@ def bench_tokenize(prompt_tokens: int, n: int) -> dict[str, dict[str, list[float
         f"tokenize chat ({chat_tokens} tokens)": time_calls(chat, n),
         f"tokenize completion ({num_completion} tokens)": time_calls(complete, n),
     }
+
+
+WORDS = ["cache", "router", "prefix", "block", "worker", "token", "tier", "load"]
+INSTRUCTION = "Answer the question from the document below. Quote it where you can.\n\n"
+CACHE_MODES = ("off", "on")
+DOCUMENT_WORKERS = 4  # workers holding a document's blocks (per prompt shape)
+
+# (tokenizer, cache scope or None, iteration) -> prompt token ids
+TokenizeCase = Callable[[ModelTokenizer, CacheScope | None, int], list[int]]
+
+
+def long_context_cases(tokenizer: ModelTokenizer, prompt_tokens: int) -> dict[str, TokenizeCase]:
+    """The long-context workload's requests, each about ``prompt_tokens`` tokens (the tiny
+    tokenizer is byte-level: one token per ASCII character); iteration i asks question i."""
+    rng = random.Random(11)
+    text = " ".join(rng.choice(WORDS) for _ in range(prompt_tokens // 5 + 1))
+
+    def question(i: int) -> str:
+        return f"Question {i}: which {WORDS[i % len(WORDS)]} holds the longest prefix?"
+
+    def chat_messages(document: str, i: int) -> list[dict[str, Any]]:
+        return [{"role": "system", "content": INSTRUCTION + document},
+                {"role": "user", "content": question(i)}]  # fmt: skip
+
+    overhead = len(tokenizer.chat_token_ids(chat_messages("", 0)))
+    document = text[: prompt_tokens - overhead]
+
+    def chat(tok: ModelTokenizer, scope: CacheScope | None, i: int) -> list[int]:
+        return tok.chat_token_ids(chat_messages(document, i), cache_scope=scope)
+
+    def same_completion(tok: ModelTokenizer, scope: CacheScope | None, i: int) -> list[int]:
+        return tok.completion_token_ids(INSTRUCTION + document + question(0), cache_scope=scope)
+
+    def one_text(tok: ModelTokenizer, scope: CacheScope | None, i: int) -> list[int]:
+        return tok.completion_token_ids(INSTRUCTION + document + question(i), cache_scope=scope)
+
+    return {
+        "chat, document in its own message, new question": chat,
+        "completion, same long prompt again": same_completion,
+        "completion, document + new question in one text": one_text,
+    }
+
+
+def store_document(
+    index: PrefixIndex, workers: list[WorkerView], token_ids: list[int], first_hash: int
+) -> None:
+    """``token_ids``' full blocks on each of ``workers`` (engine hashes from ``first_hash``)."""
+    block_size = workers[0].namespace.block_size
+    n = len(token_ids) // block_size
+    for k, worker in enumerate(workers):
+        start = first_hash + k * n
+        event = BlockStored(
+            block_hashes=list(range(start, start + n)),
+            parent_block_hash=None,
+            token_ids=token_ids[: n * block_size],
+            block_size=block_size,
+        )
+        index.apply(worker.worker_id, event)
+
+
+def decide_runner(
+    index: PrefixIndex,
+    workers: list[WorkerView],
+    tokenizer: ModelTokenizer,
+    scope: CacheScope | None,
+    case: TokenizeCase,
+) -> Callable[[int], tuple[list[int], dict[str, float]]]:
+    """One request: tokenize, then a ``cache_aware`` pick; its ids and phase seconds."""
+    scheduler = Scheduler(index, create_policy("cache_aware"), clock=CLOCK, rng=random.Random(1))
+
+    def one(i: int) -> tuple[list[int], dict[str, float]]:
+        CLOCK.now += 1.0  # see bench_scheduler: predictions expire on the simulated clock
+        start = time.perf_counter()
+        token_ids = case(tokenizer, scope, i)
+        tokenized = time.perf_counter()
+        request = RoutingRequest(MODEL, None, None, token_ids, None, 64)
+        decision = scheduler.pick(request, workers)
+        done = time.perf_counter()
+        assert decision is not None
+        scheduler.on_finish(decision, num_cached_tokens=None, ok=False)
+        phases = {"tokenize": tokenized - start, **decision.phase_seconds}
+        phases["tokenize+decide"] = done - start
+        return token_ids, phases
+
+    return one
+
+
+def bench_tokenize_decide(
+    index: PrefixIndex, workers: list[WorkerView], prompt_tokens: int, n: int
+) -> dict[str, dict[str, list[float]]]:
+    """Per case and cache mode (off, on), alternated request by request, the phase
+    seconds of tokenize + hash + decide; the two modes' ids must be equal."""
+    from worker.models import model_dir
+
+    cache = SegmentCache(RouterConfig().tokenize_cache_tokens)  # the router's default size
+    tokenizers = {
+        "off": ModelTokenizer.from_dir(model_dir("tiny")),
+        "on": ModelTokenizer.from_dir(model_dir("tiny"), segment_cache=cache),
+    }
+    scopes: dict[str, CacheScope | None] = {"off": None, "on": CacheScope(None, None)}
+    assert tokenizers["on"].segment_caching
+    cases = long_context_cases(tokenizers["off"], prompt_tokens)
+    samples: dict[str, dict[str, list[float]]] = {}
+    for c, (name, case) in enumerate(cases.items()):
+        document_ids = case(tokenizers["off"], None, 0)
+        holders = workers[c * DOCUMENT_WORKERS : (c + 1) * DOCUMENT_WORKERS]
+        store_document(index, holders, document_ids, first_hash=10**12 * (c + 1))
+        runners = {
+            mode: decide_runner(index, workers, tokenizers[mode], scopes[mode], case)
+            for mode in CACHE_MODES
+        }
+        for i in range(n + 1):
+            order = CACHE_MODES if i % 2 else CACHE_MODES[::-1]  # neither always goes first
+            answers = {mode: runners[mode](i) for mode in order}
+            assert answers["on"][0] == answers["off"][0], "the cache changed the token ids"
+            if i == 0:  # warm-up: the cache's first sight of the document
+                continue
+            for mode, (_, phases) in answers.items():
+                target = samples.setdefault(f"{name} | cache {mode}", {})
+                for phase, seconds in phases.items():
+                    target.setdefault(phase, []).append(seconds)
+    stats = cache.stats()
+    print(f"segment cache: {stats.hits} hits, {stats.misses} misses, {stats.evictions} "
+          f"evictions, {stats.charged_tokens:,} tokens held", flush=True)  # fmt: skip
+    return samples
+
+
+def bench_id_storage(prompt_tokens: int, n: int) -> dict[str, dict[str, list[float]]]:
+    """A cached hit turned back into a list: from a tuple vs from ``array('i')``."""
+    rng = random.Random(5)
+    ids = [rng.randrange(1000, 150_000) for _ in range(prompt_tokens)]
+    as_tuple, as_array = tuple(ids), array.array("i", ids)
+
+    def from_tuple(i: int) -> None:
+        list(as_tuple)
+
+    def from_array(i: int) -> None:
+        as_array.tolist()
+
+    return {
+        f"list of {prompt_tokens} ids from a tuple": time_calls(from_tuple, n),
+        f"list of {prompt_tokens} ids from array('i')": time_calls(from_array, n),
+    }
+
+
+def print_cache_comparison(results: dict[str, dict[str, dict[str, float]]]) -> dict[str, Any]:
+    """The cache off/on table (milliseconds); returns it as JSON rows."""
+    rows: dict[str, Any] = {}
+    print(f"\n{'tokenize + hash + decide, cache off vs on (ms)':<52} {'cache':<6} "
+          f"{'tok p50':>8} {'tok p90':>8} {'total p50':>10} {'total p90':>10}")  # fmt: skip
+    for name, phases in results.items():
+        case, sep, mode = name.partition(" | cache ")
+        if not sep:
+            continue
+        row = {
+            f"{label}_{stat}_ms": phases[phase][f"{stat}_us"] / 1e3
+            for label, phase in (("tokenize", "tokenize"), ("total", "tokenize+decide"))
+            for stat in ("p50", "p90")
+        }
+        rows.setdefault(case, {})[mode] = row
+        shown = case if mode == CACHE_MODES[0] else ""
+        print(f"{shown:<52} {mode:<6} " + " ".join(f"{v:>{w}.2f}" for v, w in
+              zip(row.values(), (8, 8, 10, 10), strict=True)))  # fmt: skip
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,14 +421,19 @@ def main(argv: list[str] | None = None) -> int:
         ("round_robin pick (baseline)", bench_scheduler(index, workers, queries, "round_robin", n)),
         ("naive per-worker lookups (baseline)", bench_naive(index, workers, queries, min(n, 100))),
         *bench_tokenize(args.prompt_tokens, n).items(),
+        *bench_tokenize_decide(index, workers, args.prompt_tokens, n).items(),
+        *bench_id_storage(args.prompt_tokens, n).items(),
     ):
         results[name] = {phase: summary(values) for phase, values in samples.items()}
-    print(f"\n{'measurement':<40} {'phase':<14} {'p50 us':>10} {'p99 us':>10} {'mean us':>10}")
+    width = max(40, *map(len, results))
+    print(f"\n{'measurement':<{width}} {'phase':<16} {'p50 us':>10} {'p90 us':>10} "
+          f"{'p99 us':>10} {'mean us':>10}")  # fmt: skip
     for name, phases in results.items():
         for phase, row in phases.items():
-            print(f"{name:<40} {phase:<14} {row['p50_us']:>10.1f} {row['p99_us']:>10.1f} "
-                  f"{row['mean_us']:>10.1f}")  # fmt: skip
+            print(f"{name:<{width}} {phase:<16} {row['p50_us']:>10.1f} {row['p90_us']:>10.1f} "
+                  f"{row['p99_us']:>10.1f} {row['mean_us']:>10.1f}")  # fmt: skip
             name = ""
+    cache_rows = print_cache_comparison(results)
     report = {
         "args": {k: str(v) for k, v in vars(args).items()},
         "machine": {
@@ -258,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "index": {"num_blocks": stats.num_blocks, "num_workers": stats.num_workers},
         "results": results,
+        "tokenize_cache_off_vs_on_ms": cache_rows,
     }
     args.json.write_text(json.dumps(report, indent=2))
     print(f"\nwrote {args.json}")

@@ -242,5 +242,5 @@ def test_token_id_prompts_are_validated_once_at_parse_time() -> None:
     for prompt in (ids, [ids, [5]]):
         raw = json.dumps({"model": MODEL, "prompt": prompt}).encode()
         parsed = parse_request("completion", raw, None)
-        token_ids = asyncio.run(Proxy._token_ids(proxy, MODEL, parsed, len(raw)))  # type: ignore[arg-type]
+        token_ids = asyncio.run(Proxy._token_ids(proxy, MODEL, parsed, len(raw), tenant=None))  # type: ignore[arg-type]
         assert token_ids == ids
