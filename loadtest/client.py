@@ -36,6 +36,7 @@ import numpy as np
 from loadtest.workloads.base import LoadRequest, TokenIds, TokenRange
 
 WORKER_HEADER = "x-kvroute-worker"
+DATA_PARALLEL_RANK_MARK = "#dp"  # a rank's target id: <worker id>#dp<rank>
 SESSION_HEADER = "x-session-id"
 UNKNOWN_WORKER = "unknown"
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -161,7 +162,9 @@ async def send_one(
         body = request_body(request, config.model, config.extra_body, text=config.text_prompts)
         async with session.post(url, data=body, headers=headers) as response:
             result.status = response.status
-            result.worker = response.headers.get(WORKER_HEADER, UNKNOWN_WORKER)
+            # a data-parallel rank (``w0#dp1``) counts for its worker (GPU time is per engine)
+            worker = response.headers.get(WORKER_HEADER, UNKNOWN_WORKER)
+            result.worker = worker.partition(DATA_PARALLEL_RANK_MARK)[0]
             if response.status != 200:
                 result.error = (await response.text())[:300]
                 return

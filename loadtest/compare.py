@@ -82,7 +82,8 @@ def fleet_capacity_blocks(fleet: Fleet) -> int:
     per_worker = fleet.gpu_blocks_per_worker()
     if per_worker is None:
         raise RuntimeError("cannot tell the workers' KV capacity; pass --num-gpu-blocks")
-    return per_worker * len(fleet.workers)
+    # each data-parallel rank has its own KV cache of that many blocks
+    return per_worker * len(fleet.workers) * fleet.config.data_parallel_size
 
 
 def run_policies(

@@ -95,7 +95,9 @@ class EngineCounters:
 
 def engine_counters_from_metrics(text: str) -> EngineCounters | None:
     """The simulator's ``kvroute_sim_*`` counters from a /metrics page (None: not a sim)."""
-    values = {name: float(value) for name, value in _SIM_COUNTER_RE.findall(text)}
+    values: dict[str, float] = {}
+    for name, value in _SIM_COUNTER_RE.findall(text):  # one sample per data-parallel rank
+        values[name] = values.get(name, 0.0) + float(value)
     if not values:
         return None
     return EngineCounters(
@@ -159,6 +161,19 @@ class WorkerEndpoint:
     # False: no agent, and the engine advertises no KV events (a stock engine with
     # events off): the router routes it by its own history
     has_events: bool = True
+    # > 1: that many data-parallel ranks, events read by the router on each rank's own
+    # sockets (no agent); rank_aware False: the router is not told (the engine balances)
+    data_parallel_size: int = 1
+    rank_aware: bool = True
+
+    @property
+    def has_agent(self) -> bool:
+        return self.has_events and self.data_parallel_size == 1
+
+    @property
+    def num_targets(self) -> int:
+        """Routing targets the router sees for this worker (one per rank, if told)."""
+        return self.data_parallel_size if self.rank_aware else 1
 
     @property
     def url(self) -> str:
@@ -171,7 +186,9 @@ class WorkerEndpoint:
     @property
     def router_spec(self) -> str:
         """This worker as a ``kvroute router --worker`` value."""
-        if not self.has_events:
+        if self.data_parallel_size > 1 and self.rank_aware:
+            return f"{self.url},id={self.worker_id},dp={self.data_parallel_size}"
+        if not self.has_agent:  # no events, or ranks the router is not told of (rank 0's)
             return f"{self.url},id={self.worker_id}"
         return f"{self.url},agent={self.agent_url},id={self.worker_id}"
 
@@ -195,6 +212,10 @@ class FleetConfig:
     gpu_profiles: list[str] = field(default_factory=list)
     # the last this many simulated workers run without agent and advertise no KV events
     workers_without_events: int = 0
+    # simulated workers with this many data-parallel ranks each; rank_aware False: the
+    # router sees each worker as one target (rank 0's events) and the engine picks ranks
+    data_parallel_size: int = 1
+    rank_aware: bool = True
 
     def gpu_profile_of(self, worker_index: int) -> str | None:
         """The ``--gpu-profile`` worker ``worker_index`` gets (None: not set here)."""
@@ -228,6 +249,18 @@ def add_fleet_arguments(parser: argparse.ArgumentParser, *, startup_timeout_s: f
         help="extra argument for the router (repeatable)",
     )
     add_gpu_profiles_argument(parser)
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="data-parallel ranks per simulated worker (each its own KV cache)",
+    )
+    parser.add_argument(
+        "--rank-blind",
+        action="store_true",
+        help="with --data-parallel-size: do not tell the router the ranks (each worker is "
+        "one target, followed on rank 0's events; the engine balances ranks itself)",
+    )
     parser.add_argument("--startup-timeout-s", type=float, default=startup_timeout_s)
     parser.add_argument(
         "--routers",
@@ -274,6 +307,8 @@ def fleet_config_from_args(args: argparse.Namespace) -> FleetConfig:
         startup_timeout_s=args.startup_timeout_s,
         num_routers=args.routers,
         gpu_profiles=list(args.gpu_profiles),
+        data_parallel_size=args.data_parallel_size,
+        rank_aware=not args.rank_blind,
     )
 
 
@@ -337,6 +372,8 @@ class Fleet:
             endpoint = WorkerEndpoint(
                 f"w{index}", free_port(), free_port(), free_port(), free_port(),
                 has_events=index < first_without_events,
+                data_parallel_size=self.config.data_parallel_size,
+                rank_aware=self.config.rank_aware,
             )  # fmt: skip
             self.workers.append(endpoint)
             self._worker_children.append(
@@ -345,7 +382,7 @@ class Fleet:
         deadline = time.monotonic() + self.config.startup_timeout_s
         for endpoint, child in zip(self.workers, self._worker_children, strict=True):
             self._wait_ready(child, [endpoint.url + "/health"], deadline)
-            if endpoint.has_events:
+            if endpoint.has_agent:
                 agent_urls = [endpoint.agent_url + "/ready", endpoint.agent_url + "/health"]
                 self._wait_ready(child, agent_urls, deadline)
 
@@ -396,7 +433,8 @@ class Fleet:
             ready = json.loads(http_text(url + "/ready"))
         except (OSError, ValueError):
             return False
-        return bool(ready.get("healthy_workers", len(self.workers)) >= len(self.workers))
+        targets = sum(endpoint.num_targets for endpoint in self.workers)
+        return bool(ready.get("healthy_workers", targets) >= targets)
 
     def stop_router(self) -> None:
         for child in self._router_children:
@@ -469,11 +507,13 @@ class Fleet:
     def worker_argv(self, endpoint: WorkerEndpoint) -> list[str]:
         from worker.models import model_dir
 
+        # ranks bind port + r: free ports each instead (the router reads them from the engine)
+        ranked = endpoint.data_parallel_size > 1
         common = [
             "--model", str(model_dir(self.config.model)),
             "--port", str(endpoint.http_port),
-            "--zmq-port", str(endpoint.zmq_port),
-            "--replay-port", str(endpoint.replay_port),
+            "--zmq-port", "0" if ranked else str(endpoint.zmq_port),
+            "--replay-port", "0" if ranked else str(endpoint.replay_port),
             "--block-size", str(self.config.block_size),
         ]  # fmt: skip
         if self.config.num_gpu_blocks is not None:
@@ -482,7 +522,11 @@ class Fleet:
         if profile is not None and self.config.engine == "sim":
             common += ["--gpu-profile", profile]
         argv = kvroute_command("worker", "--engine", self.config.engine, *common)
-        if endpoint.has_events:
+        if endpoint.data_parallel_size > 1:
+            if self.config.engine != "sim":
+                raise FleetError("data-parallel workers are simulated workers only")
+            argv += ["--data-parallel-size", str(endpoint.data_parallel_size), "--no-agent"]
+        elif endpoint.has_events:
             argv += ["--agent-port", str(endpoint.agent_port)]
         elif self.config.engine == "sim":
             argv += ["--no-agent", "--hide-kv-events"]

@@ -115,3 +115,29 @@ def test_comparison_through_router_on_simulated_workers(tmp_path: Path) -> None:
     assert any(line.startswith("| " + " | ".join(TABLE_COLUMNS)) for line in header)
     for name in ("ttft_cdf.png", "worker_load.png", "hit_ratio.png"):
         assert (report.parent / name).stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_a_data_parallel_fleet_is_routed_per_rank(tmp_path: Path) -> None:
+    """One simulated worker with 2 data-parallel ranks, each a routing target: every
+    request is answered, counted for its worker, and repeats of a prompt hit."""
+    config = CompareConfig(
+        workload="tenants",
+        params={"num_requests": "24", "rate": "20", "num_tenants": "2", "system_tokens": "512",
+                "question_tokens": "32", "max_tokens": "4"},
+        policies=("cache_aware",),
+        fleet=FleetConfig(num_workers=1, num_gpu_blocks=200, startup_timeout_s=60.0,
+                          data_parallel_size=2),
+        out_dir=tmp_path / "report",
+        max_duration_s=30.0,
+        request_timeout_s=20.0,
+        progress=False,
+    )  # fmt: skip
+    report = run_comparison(config, log=lambda _: None)
+    data = json.loads((report.parent / "report.json").read_text())
+    (summary,) = data["summaries"]
+    assert summary["num_failed"] == 0
+    assert summary["token_hit_ratio"] > 0.5  # 2 prompts x 12 repeats, each kept on a rank
+    (results,) = data["results"].values()
+    assert {r["worker"] for r in results} == {"w0"}  # a rank counts for its worker
+

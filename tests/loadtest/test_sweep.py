@@ -11,7 +11,14 @@ import pytest
 
 from loadtest import sweep
 from loadtest.compare import add_engine_counters
-from loadtest.fleet import EngineCounters, Fleet, WorkerEndpoint, engine_counters_from_metrics
+from loadtest.fleet import (
+    EngineCounters,
+    Fleet,
+    WorkerEndpoint,
+    add_fleet_arguments,
+    engine_counters_from_metrics,
+    fleet_config_from_args,
+)
 from loadtest.stats import summarize
 
 
@@ -69,6 +76,36 @@ def test_engine_counters_parse_the_simulators_metrics_and_skip_other_engines() -
     )
     assert engine_counters_from_metrics(text) == EngineCounters(gpu_busy_s=12.5, lag_s=0.25)
     assert engine_counters_from_metrics('vllm:num_requests_running{a="b"} 1.0\n') is None
+
+
+def test_engine_counters_add_up_a_data_parallel_worker_s_ranks() -> None:
+    text = (
+        'kvroute_sim_simulated_seconds_total{engine="0",model_name="m"} 12.5\n'
+        'kvroute_sim_simulated_seconds_total{engine="1",model_name="m"} 2.5\n'
+        'kvroute_sim_lag_seconds_total{engine="0",model_name="m"} 0.25\n'
+        'kvroute_sim_lag_seconds_total{engine="1",model_name="m"} 0.5\n'
+    )
+    assert engine_counters_from_metrics(text) == EngineCounters(gpu_busy_s=15.0, lag_s=0.75)
+
+
+@pytest.mark.parametrize("rank_aware", [True, False], ids=["rank-aware", "rank-blind"])
+def test_a_data_parallel_worker_runs_without_agent_on_free_rank_ports(rank_aware: bool) -> None:
+    parser = argparse.ArgumentParser()
+    add_fleet_arguments(parser, startup_timeout_s=60.0)  # kvroute loadtest / up
+    blind = [] if rank_aware else ["--rank-blind"]
+    argv = ["--workers", "1", "--data-parallel-size", "4", *blind]
+    config = fleet_config_from_args(parser.parse_args(argv))
+    assert (config.data_parallel_size, config.rank_aware) == (4, rank_aware)
+    fleet = Fleet(config)
+    endpoint = WorkerEndpoint("w0", 1, 2, 3, 4, data_parallel_size=4, rank_aware=rank_aware)
+    fleet.workers.append(endpoint)
+    worker_argv = fleet.worker_argv(endpoint)
+    assert worker_argv[worker_argv.index("--data-parallel-size") + 1] == "4"
+    assert "--no-agent" in worker_argv and "--agent-port" not in worker_argv
+    assert worker_argv[worker_argv.index("--zmq-port") + 1] == "0"  # ranks bind port + r
+    assert not endpoint.has_agent and "agent=" not in endpoint.router_spec
+    assert endpoint.router_spec.endswith(",dp=4") == rank_aware
+    assert endpoint.num_targets == (4 if rank_aware else 1)
 
 
 def test_gpu_busy_imbalance_needs_every_worker_before_and_after() -> None:
