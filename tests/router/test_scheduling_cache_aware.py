@@ -445,6 +445,25 @@ def test_a_conversation_leaves_its_worker_only_when_the_queue_costs_more_than_th
     assert (decision.worker_id == "w0") is stays
 
 
+@pytest.mark.parametrize(("waiting_saturates", "stays"), [(True, True), (False, False)])
+def test_engines_with_waiting_queues_make_re_prefills_cost_what_they_cost_near_saturation(
+    waiting_saturates: bool, stays: bool
+) -> None:
+    """The router sent little prefill (rho 0), but every engine has requests waiting (a
+    fleet saturated by decode, or by other routers): with ``waiting_saturates`` the
+    recompute term reads the fleet as saturated and the history stays."""
+    index, workers = make_fleet(2)
+    history = tokens(14, 62 * BLOCK)
+    store(index, "w0", history[: 60 * BLOCK])
+    workers[0].load.prefill_tokens_queued = 5000  # more than one re-prefill of the history
+    for worker in workers:
+        worker.load.num_waiting = 8  # 8 / (8 + 1): rho 0.89 for the recompute term
+    sched = scheduler(index, "cache_aware", waiting_saturates=waiting_saturates)
+    decision = sched.pick(request(history), workers)
+    assert decision is not None
+    assert (decision.worker_id == "w0") is stays
+
+
 def test_a_worker_without_events_keeps_its_routing_history_as_predictions() -> None:
     """No events will confirm or drop its blocks, so its predictions live
     ``eventless_prediction_ttl_s``; a worker with events gets the short lifetime."""

@@ -78,6 +78,7 @@ class CacheAwarePolicy(BasePolicy):
         busy_window_s: float = 60.0,
         rate_sharing: str = "auto",
         recompute_weight: float = 3.0,
+        waiting_saturates: bool = False,
     ) -> None:
         if temperature < 0:
             raise ValueError("temperature must be >= 0")
@@ -88,6 +89,9 @@ class CacheAwarePolicy(BasePolicy):
         if busy_window_s < 0:
             raise ValueError("busy_window_s must be >= 0")
         self.recompute_weight = recompute_weight
+        # the recompute term's fleet utilisation is at least what the engines' own
+        # waiting queues say (mean waiting w: w / (w + 1)); see expected_ttfts
+        self.waiting_saturates = waiting_saturates
         self.tier_costs = tier_costs  # also the Scheduler's (see Policy.tier_costs)
         self.temperature = temperature
         self.added_work_weight = added_work_weight
@@ -175,7 +179,13 @@ class CacheAwarePolicy(BasePolicy):
         else:
             scaled_values, mean_rho = [0.0] * len(ctx.candidates), 0.0
         weight_per_share = self.added_work_weight / (mean_rho + eps)
-        recompute = recompute_factor(self.recompute_weight, mean_rho, max_rho)
+        recompute_rho = mean_rho
+        if self.waiting_saturates:
+            # NOTE: rho counts the prefill this router sent; an engine saturated by decode
+            # (or by other routers) queues requests while rho stays low
+            waiting = sum(w.load.num_waiting for w in ctx.candidates) / len(ctx.candidates)
+            recompute_rho = max(mean_rho, waiting / (waiting + 1.0))
+        recompute = recompute_factor(self.recompute_weight, recompute_rho, max_rho)
         # pass 1: each candidate's uncached work (the recompute term needs their minimum)
         uncached_values: list[float] = []
         append_uncached = uncached_values.append
@@ -260,6 +270,7 @@ def _create(params: Mapping[str, ParamValue]) -> CacheAwarePolicy:
         busy_window_s=float(params["busy_window_s"]),
         rate_sharing=str(params["rate_sharing"]),
         recompute_weight=float(params["recompute_weight"]),
+        waiting_saturates=bool(params["waiting_saturates"]),
     )
 
 
@@ -290,6 +301,13 @@ SPEC = PolicySpec(
             3.0,
             "weight of recomputing tokens another candidate holds, times the fleet's "
             "utilisation / (1 - utilisation) (0: off)",
+        ),
+        ParamSpec(
+            "waiting_saturates",
+            bool,
+            False,
+            "the recompute term's utilisation is at least w / (w + 1) for a mean of w "
+            "requests waiting in the engines",
         ),
         ParamSpec(
             "rate_sharing",
