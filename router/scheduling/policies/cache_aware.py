@@ -17,7 +17,11 @@ A third term prices recomputing what another candidate holds: ``recompute_weight
 rho_mean / (1 - rho_mean) x (uncached - least uncached of any candidate) x
 seconds_per_prefill_token`` (``cost_model``'s NOTE on ``recompute``): a conversation
 leaves the worker holding its history only when the queue there costs more than the
-re-prefills the move causes, which near saturation is rarely.
+re-prefills the move causes, which near saturation is rarely. With ``waiting_saturates``
+(off by default: on the conversation trace it cost GPU-time balance) that term's
+``rho_mean`` is at least ``w / (w + 1)`` for a mean of ``w`` requests waiting in the
+engines, so a fleet saturated by decode (which the prefill ``rho`` misses) keeps
+conversations home too.
 
 NOTE: without the added-work term a burst of requests on one new long prefix is a
 wash for TTFT (the second request waits for the first's prefill either way) and the
