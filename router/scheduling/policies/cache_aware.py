@@ -51,6 +51,7 @@ from router.scheduling.cost_model import (
     TierCosts,
     effective_uncached_tokens,
     recompute_factor,
+    saturated_utilization,
 )
 from router.scheduling.policy import (
     BasePolicy,
@@ -93,8 +94,7 @@ class CacheAwarePolicy(BasePolicy):
         if busy_window_s < 0:
             raise ValueError("busy_window_s must be >= 0")
         self.recompute_weight = recompute_weight
-        # the recompute term's fleet utilisation is at least what the engines' own
-        # waiting queues say (mean waiting w: w / (w + 1)); see expected_ttfts
+        # the recompute term reads cost_model.saturated_utilization (off: the prefill rho)
         self.waiting_saturates = waiting_saturates
         self.tier_costs = tier_costs  # also the Scheduler's (see Policy.tier_costs)
         self.temperature = temperature
@@ -185,10 +185,8 @@ class CacheAwarePolicy(BasePolicy):
         weight_per_share = self.added_work_weight / (mean_rho + eps)
         recompute_rho = mean_rho
         if self.waiting_saturates:
-            # NOTE: rho counts the prefill this router sent; an engine saturated by decode
-            # (or by other routers) queues requests while rho stays low
             waiting = sum(w.load.num_waiting for w in ctx.candidates) / len(ctx.candidates)
-            recompute_rho = max(mean_rho, waiting / (waiting + 1.0))
+            recompute_rho = saturated_utilization(mean_rho, waiting)
         recompute = recompute_factor(self.recompute_weight, recompute_rho, max_rho)
         # pass 1: each candidate's uncached work (the recompute term needs their minimum)
         uncached_values: list[float] = []
