@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import io
 import itertools
 import json
@@ -253,7 +254,9 @@ def test_a_huge_prompt_tokenizes_off_the_event_loop(monkeypatch: pytest.MonkeyPa
 
     NOTE: only gaps that overlap the tokenizer's run count: hashing and looking up 75K
     blocks afterwards is on the loop by design (a real model's context bounds it far
-    lower), and in a long test session a garbage collection there took 0.7 s.
+    lower). In the full suite a 0.7 s gap appeared twice on CI-sized machines (a garbage
+    collection of the long session's heap, or the VM stalling): garbage collection is
+    off for the run, and a stall of half the tokenizer's run is allowed.
     """
     runs: list[tuple[float, float]] = []  # (start, end) of each encode, from its thread
     encode = ModelTokenizer.encode
@@ -288,9 +291,15 @@ def test_a_huge_prompt_tokenizes_off_the_event_loop(monkeypatch: pytest.MonkeyPa
             assert len(worker.bodies) == 1
             return answered_at
 
-    answered_at = run(main(), timeout_s=120)
+    gc.disable()  # a full collection of a long test session's heap is not what is measured
+    try:
+        answered_at = run(main(), timeout_s=120)
+    finally:
+        gc.enable()
     ((start, end),) = [r for r in runs if r[1] - r[0] > 0.1]  # the huge prompt's encode
     assert end - start > 0.3, "tokenizing was too quick to tell a blocked loop"
     during = [(a, b) for a, b in itertools.pairwise(answered_at) if b > start and a < end]
     assert len(during) >= 3, f"too few checks while tokenizing: {during}"
-    assert max(b - a for a, b in during) < 0.5, during
+    # a blocked loop answers nothing for the whole run; allow a machine stall of 0.5 s
+    # or half the run, whichever is longer
+    assert max(b - a for a, b in during) < max(0.5, (end - start) / 2), (end - start, during)
