@@ -375,11 +375,12 @@ class _TokenizeCacheCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         stats = self._stats() or SegmentCacheStats(0, 0, 0, 0, 0, 0)
         counters = (
-            ("hits", stats.hits, "Long prompt segments (4096+ characters between special "
-             "tokens) whose token ids came from the tokenize cache, tenant-scoped; local "
-             "tokenizers only"),
-            ("misses", stats.misses, "Long prompt segments tokenized because the tokenize "
-             "cache did not hold them for the request's tenant; local tokenizers only"),
+            ("hits", stats.hits, "Chunks of long prompt segments (4096+ characters between "
+             "special tokens, cut at line starts) whose token ids came from the tokenize "
+             "cache, tenant-scoped; local tokenizers only"),
+            ("misses", stats.misses, "Chunks of long prompt segments tokenized because the "
+             "tokenize cache did not hold them for the request's tenant; local tokenizers "
+             "only"),
             ("evictions", stats.evictions, "Tokenize cache entries dropped to stay under "
              "--tokenize-cache-tokens"),
         )  # fmt: skip

@@ -23,6 +23,23 @@ a ``Metaspace`` pre-tokenizer with ``prepend_scheme="first"`` (the "first" piece
 A special token that strips adjacent whitespace (``lstrip``/``rstrip``), matches only
 whole words, is normalized, or starts or ends with whitespace is never a cut token.
 
+*Line cuts*: a long segment is cut further into chunks of at least
+``SegmentCache.chunk_chars`` characters, each cached on its own, right after a newline
+whose next character is not whitespace (rule ``after_newlines``), or where the tokenizer
+needs it only after a newline between two such characters (``lone_newline``: GPT-2's
+regex makes a whitespace run at a text's end one pre-token more than inside the text).
+The common pre-tokenizers (GPT-2's and Llama 3's byte-level regexes, BERT's, ...) never
+join a newline to the word after it, so encoding the chunks one by one gives the ids of
+encoding the segment whole; a document
+followed by a new question in the same text then misses only its last chunk, and a new
+document's chunks encode in parallel. Line cuts are on only for a tokenizer whose added
+tokens all match their own characters without stripping whitespace (a cut beside one that
+strips would move a newline) and that passes a second self-check (newlines before words,
+digits, punctuation, CJK, emoji, markup; a ``Metaspace`` or ``Prepend`` tokenizer, or
+``add_prefix_space``, fails it: each chunk would get its own prefix). Cut positions depend
+only on the text before them and the character after, so a text that starts with a
+cached text reuses every chunk but the cached text's last.
+
 Tenant isolation: the scope (tenant id and ``cache_salt``) is part of every key, so a
 request can only hit entries its own scope stored; neither its ids nor its timing depend
 on another scope's texts. Capacity is shared: another scope's traffic can evict an entry
@@ -39,6 +56,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from tokenizers import AddedToken, Tokenizer
 
@@ -46,6 +64,13 @@ log = logging.getLogger(__name__)
 
 GIL_RELEASE_MIN_CHARS = 4096  # shorter texts encode in microseconds, GIL or not
 SEGMENT_MIN_CHARS = 4096  # shorter segments are encoded each time
+CHUNK_CHARS = 4096  # a long segment is cut at the first line cut past every 4,096 characters
+# Where a segment may be cut inside its text, most cuts first (see the module docstring):
+# after any run of newlines (Llama 3 / Qwen / GPT-4o regexes keep a newline run one
+# pre-token), or only after a newline between two characters that are not whitespace
+# (GPT-2's regex gives a whitespace run at the text's end one pre-token more).
+LineCutRule = Literal["after_newlines", "lone_newline"]
+LINE_CUT_RULES: tuple[LineCutRule, ...] = ("after_newlines", "lone_newline")
 # Charged per entry on top of its tokens: key tuple, 32-byte digest, LRU node, tuple header
 # (about 350 bytes, in units of a cached token's ~40 bytes).
 ENTRY_OVERHEAD_TOKENS = 8
@@ -69,6 +94,16 @@ _SELF_CHECK_TEXTS = (
     "{2} {0} {2}",
     "{0}",
     "plain text without any cut token\n",
+)
+# Line cuts (after "\n", before a character that is not whitespace): what may follow one.
+_LINE_CUT_CHECK_TEXTS = (
+    "one\ntwo\n\nthree\r\nfour\n \nfive\n",
+    "Title\nThe quick brown fox.\n\n's 're 've 'd n't\n\"quoted\"\n(paren)\n",
+    "1. first\n2. second\n10,000 items\n3.14159\n-1\n+2\n#3\n",
+    "code:\n    indented\n\tx = cache.get(key)\n}\n{\n<tag attr=1>\n</tag>\n",
+    "Ünïcödé\nÉcole\n中文字符\n日本語\n😀 emoji\n→ arrow\n•bullet\n—dash\n",
+    "a\nb\nc\nA\nB\nZ\n_\n$\n@\n!\n?\n.\n,\n;\n:\n/\n\\\n|\n~\n`\n",
+    "ends with newline\n\n\nX",
 )
 _EVERY_TOKEN_TEXT = " a {0}  b\n{0}\nc{0}{1} "  # once per cut token, in one text
 _AFFIX_PROBE = "Hello world"
@@ -111,11 +146,18 @@ class SegmentCache:
     ids below 257 are shared ints), so the default 2M tokens is at most about 80 MB.
     """
 
-    def __init__(self, max_tokens: int, *, min_segment_chars: int = SEGMENT_MIN_CHARS) -> None:
-        if max_tokens < 1 or min_segment_chars < 1:
-            raise ValueError("max_tokens and min_segment_chars must be at least 1")
+    def __init__(
+        self,
+        max_tokens: int,
+        *,
+        min_segment_chars: int = SEGMENT_MIN_CHARS,
+        chunk_chars: int = CHUNK_CHARS,
+    ) -> None:
+        if max_tokens < 1 or min_segment_chars < 1 or chunk_chars < 1:
+            raise ValueError("max_tokens, min_segment_chars and chunk_chars must be at least 1")
         self.max_tokens = max_tokens
         self.min_segment_chars = min_segment_chars
+        self.chunk_chars = chunk_chars  # line cuts: see the module docstring
         self._entries: OrderedDict[CacheKey, tuple[int, ...]] = OrderedDict()
         self._lock = threading.Lock()
         self._charged = 0
@@ -233,6 +275,10 @@ class SegmentedEncoder:
         self._matcher = _literal_matcher(t.content for t in tokens if not t.normalized)
         self.cut_tokens = frozenset(t.content for t in tokens if _can_cut(t))
         self.other_tokens = frozenset(t.content for t in tokens) - self.cut_tokens
+        # line cuts (module docstring): only beside added tokens that strip nothing; set by
+        # ``build``'s second self-check (None: no line cuts)
+        self.line_cut_rule: LineCutRule | None = None
+        self._line_cuts_allowed = all(_matches_itself(t) for t in tokens)
 
     @classmethod
     def build(
@@ -250,6 +296,7 @@ class SegmentedEncoder:
                 added = tokenizer.get_added_tokens_decoder().values()
                 encoder = cls(tokenizer, cache, added_tokens=added, affixes=affixes)
                 if encoder.self_check(hint):
+                    encoder._choose_line_cut_rule(hint, name)
                     return encoder
                 reason = "segmenting at special tokens changes its token ids"
         log.info("tokenizer %s: prompt segment cache off (%s)", name or "?", reason)
@@ -274,16 +321,32 @@ class SegmentedEncoder:
         return self._join(pieces, add_special_tokens)
 
     def segmented_ids(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        """The ids with a cut at every cut token, nothing cached: the self-check's (and the
-        tests') comparison with encoding ``text`` whole."""
-        pieces = self._pieces(text, min_chars=1)
+        """The ids with a cut at every cut token (and every line cut when they are on),
+        nothing cached: the self-check's (and the tests') comparison with encoding
+        ``text`` whole."""
+        pieces = self._pieces(text, min_chars=1, chunk_chars=1)
         self._encode_missing(pieces)
         return self._join(pieces, add_special_tokens)
 
-    def self_check(self, hint: str = "") -> bool:
+    def _choose_line_cut_rule(self, hint: str, name: str) -> None:
+        """Turn on the first rule of ``LINE_CUT_RULES`` that passes the self-check with the
+        line-cut samples, if any (once, in ``build``)."""
+        for rule in LINE_CUT_RULES if self._line_cuts_allowed else ():
+            self.line_cut_rule = rule
+            if self.self_check(hint, line_cut_texts=True):
+                return
+        self.line_cut_rule = None
+        log.info("tokenizer %s: prompt segments are cut only at special tokens", name or "?")
+
+    def self_check(self, hint: str = "", *, line_cut_texts: bool = False) -> bool:
         """True when every self-check text encodes alike whole and segmented (both
-        ``add_special_tokens`` values)."""
-        for text in self._self_check_texts(hint):
+        ``add_special_tokens`` values); with ``line_cut_texts`` the line-cut samples too."""
+        texts = self._self_check_texts(hint)
+        if line_cut_texts:
+            # and added tokens right after a line cut
+            beside = sorted(self.cut_tokens)[:1] + sorted(self.other_tokens)[:1]
+            texts += [*_LINE_CUT_CHECK_TEXTS, *(f"x\n{t}y\n{t}\nz {t}\n" for t in beside)]
+        for text in texts:
             for add_special_tokens in (False, True):
                 whole = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
                 if self.segmented_ids(text, add_special_tokens=add_special_tokens) != whole:
@@ -307,20 +370,23 @@ class SegmentedEncoder:
         token_id = self._tokenizer.token_to_id(token)
         return -1 if token_id is None else token_id
 
-    def _pieces(self, text: str, min_chars: int) -> list[_Piece]:
+    def _pieces(self, text: str, min_chars: int, chunk_chars: int | None = None) -> list[_Piece]:
         """``text`` as runs and long segments (at least ``min_chars`` characters between
-        cut tokens), in order; together exactly ``text``."""
+        cut tokens; with line cuts on, cut into chunks of at least ``chunk_chars``, default
+        the cache's), in order; together exactly ``text``."""
         pieces: list[_Piece] = []
+        rule = self.line_cut_rule
+        chunk = (chunk_chars or self._cache.chunk_chars) if rule else None
         run_start = segment_start = 0
         for match in self._matcher.finditer(text) if self._matcher else ():
             if match.group() not in self.cut_tokens:
                 continue
             if match.start() - segment_start >= min_chars:
-                _add_segment(pieces, text, run_start, segment_start, match.start())
+                _add_segment(pieces, text, run_start, segment_start, match.start(), chunk, rule)
                 run_start = match.start()
             segment_start = match.end()
         if len(text) - segment_start >= min_chars:
-            _add_segment(pieces, text, run_start, segment_start, len(text))
+            _add_segment(pieces, text, run_start, segment_start, len(text), chunk, rule)
             run_start = len(text)
         if run_start < len(text) or not pieces:
             pieces.append(_Piece(text[run_start:], is_segment=False))
@@ -345,11 +411,45 @@ class SegmentedEncoder:
         return ids
 
 
-def _add_segment(pieces: list[_Piece], text: str, run_start: int, start: int, end: int) -> None:
-    """Append the run before a long segment (when not empty), then the segment."""
+def _add_segment(
+    pieces: list[_Piece],
+    text: str,
+    run_start: int,
+    start: int,
+    end: int,
+    chunk_chars: int | None,
+    rule: LineCutRule | None,
+) -> None:
+    """Append the run before a long segment (when not empty), then the segment: whole, or
+    (``rule`` and ``chunk_chars`` set) as its line-cut chunks."""
     if run_start < start:
         pieces.append(_Piece(text[run_start:start], is_segment=False))
+    if chunk_chars is None or rule is None:
+        pieces.append(_Piece(text[start:end], is_segment=True))
+        return
+    for cut in line_cuts(text, start, end, chunk_chars, rule):
+        pieces.append(_Piece(text[start:cut], is_segment=True))
+        start = cut
     pieces.append(_Piece(text[start:end], is_segment=True))
+
+
+def line_cuts(text: str, start: int, end: int, chunk_chars: int, rule: LineCutRule) -> list[int]:
+    """Cut positions in ``text[start:end]``, ascending: each the first line cut of ``rule``
+    (right after a newline, before a character that is not whitespace; with
+    ``"lone_newline"`` also after one) at least ``chunk_chars`` past the previous cut (or
+    ``start``). NOTE: a position depends only on the text before it and the character
+    after it, so texts that share a beginning share their cuts in it."""
+    lone = rule == "lone_newline"
+    cuts: list[int] = []
+    newline = text.find("\n", start + chunk_chars - 1, end - 1)
+    while newline != -1:
+        cut = newline + 1
+        if text[cut].isspace() or (lone and newline > start and text[newline - 1].isspace()):
+            newline = text.find("\n", cut, end - 1)
+            continue
+        cuts.append(cut)
+        newline = text.find("\n", cut + chunk_chars - 1, end - 1)
+    return cuts
 
 
 def _digest(segment: str) -> bytes:
@@ -361,11 +461,13 @@ def _digest(segment: str) -> bytes:
 def _can_cut(token: AddedToken) -> bool:
     """A special token matched in the raw text, exactly its own characters."""
     content = token.content
-    return (
-        token.special
-        and not (token.normalized or token.lstrip or token.rstrip or token.single_word)
-        and content.strip() == content
-    )
+    return token.special and _matches_itself(token) and content.strip() == content
+
+
+def _matches_itself(token: AddedToken) -> bool:
+    """An added token matched in the raw text as exactly its own characters: no
+    whitespace stripped around it, not only as a whole word, not normalized first."""
+    return not (token.normalized or token.lstrip or token.rstrip or token.single_word)
 
 
 def _unsupported_reason(tokenizer: Tokenizer) -> str | None:

@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import (
     AddedToken,
+    Regex,
     Tokenizer,
     decoders,
     models,
@@ -36,11 +37,13 @@ from router.engines import ENGINES
 from router.metrics import RouterMetrics
 from router.prompt_tokenizers import EnginePromptTokenizer, LocalPromptTokenizer, TokenizePool
 from router.token_segments import (
+    CHUNK_CHARS,
     ENTRY_OVERHEAD_TOKENS,
     CacheScope,
     SegmentCache,
     SegmentedEncoder,
     _literal_matcher,
+    line_cuts,
 )
 from router.tokenization import ModelTokenizer
 from router.tokenizer_registry import TokenizerRegistry
@@ -64,6 +67,7 @@ CHAT_TEMPLATE = (
 )
 MARKERS = {
     "chatml_byte_level": ("<|im_start|>", "<|im_end|>"),
+    "llama3_regex": ("<|im_start|>", "<|im_end|>"),
     "llama3_like_bos": ("<|im_start|>", "<|im_end|>"),
     "metaspace_always": ("[INST]", "[/INST]"),
     "bert_like": ("[SEP]", "[SEP]"),
@@ -91,6 +95,33 @@ def chatml_byte_level(bos: bool = False) -> Tokenizer:
         tokenizer.post_processor = processors.TemplateProcessing(
             single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos_id)]
         )
+    return tokenizer
+
+
+# Llama 3's pre-tokenizer regex (its tokenizer.json); GPT-4o's treats newlines alike.
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def llama3_regex() -> Tokenizer:
+    """Llama 3 style: its split regex (a newline run is one pre-token), then byte-level
+    BPE without GPT-2's regex; ChatML special tokens."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, special_tokens=specials, initial_alphabet=alphabet, show_progress=False
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
     return tokenizer
 
 
@@ -136,6 +167,7 @@ BUILDERS: dict[str, Callable[[], Tokenizer]] = {
     "tiny": tiny,
     "chatml_byte_level": chatml_byte_level,
     "llama3_like_bos": lambda: chatml_byte_level(bos=True),
+    "llama3_regex": llama3_regex,
     "metaspace_always": metaspace,
     "bert_like": bert_like,
 }
@@ -172,6 +204,14 @@ def long_text(seed: int, num_chars: int = 6000) -> str:
     return "".join(parts)
 
 
+def num_chunks(tokenizer: Tokenizer, segment: str) -> int:
+    """Cache entries a long segment takes: its line-cut chunks (1 without line cuts)."""
+    encoder = SegmentedEncoder.build(tokenizer, SegmentCache(1))
+    assert encoder is not None
+    rule = encoder.line_cut_rule
+    return 1 if rule is None else len(line_cuts(segment, 0, len(segment), CHUNK_CHARS, rule)) + 1
+
+
 def whole(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -187,6 +227,7 @@ def test_shipped_tokenizer_chat_and_completion_ids_equal_uncached() -> None:
     plain = ModelTokenizer.from_dir(model_dir("tiny"))
     assert cached.segment_caching and not plain.segment_caching
     document = long_text(1, 20_000)
+    doc_misses = 0
     for question in ["What is cached?", "  and now?\n", "<|user|> sneaky", ""]:
         messages = [
             {"role": "system", "content": document},
@@ -198,6 +239,10 @@ def test_shipped_tokenizer_chat_and_completion_ids_equal_uncached() -> None:
                 messages, add_special_tokens=add_special_tokens, cache_scope=ANONYMOUS
             )
             assert got == want
+            doc_misses = doc_misses or cache.stats().misses
+    # the document's chunks once (line cuts: a 20K-character text is several)
+    assert cache.stats().misses == doc_misses >= num_chunks(tiny(), document) - 1 > 1
+    assert cache.stats().hits == (4 * 2 - 1) * doc_misses
     prompt = long_text(2, 9000)
     for _ in range(2):
         for add_special_tokens in (False, True):
@@ -207,8 +252,9 @@ def test_shipped_tokenizer_chat_and_completion_ids_equal_uncached() -> None:
             )
             assert got == want
     stats = cache.stats()
-    assert stats.misses == 2  # the document once, the completion prompt once
-    assert stats.hits == 4 * 2 - 1 + 2 * 2 - 1
+    prompt_misses = stats.misses - doc_misses  # the completion prompt's chunks, once
+    assert prompt_misses == num_chunks(tiny(), prompt) > 1
+    assert stats.hits == (4 * 2 - 1) * doc_misses + (2 * 2 - 1) * prompt_misses
 
 
 @pytest.mark.parametrize("name", list(MARKERS))
@@ -220,6 +266,7 @@ def test_production_like_tokenizers_chat_and_completion_ids_equal_uncached(name:
     assert cached.segment_caching, name
     document = long_text(3, 12_000)
     specials = added_contents(tokenizer)
+    doc_misses = 0
     for question in ["Which worker?", f" {specials[0]} mixed\n", "\n\n"]:
         messages = [
             {"role": "system", "content": "Answer from the document."},
@@ -232,7 +279,8 @@ def test_production_like_tokenizers_chat_and_completion_ids_equal_uncached(name:
                 assert want == cached.chat_token_ids(
                     messages, add_special_tokens=add_special_tokens, cache_scope=ANONYMOUS
                 )
-    assert cache.stats().misses == 1  # the document, once
+                doc_misses = doc_misses or cache.stats().misses
+    assert cache.stats().misses == doc_misses >= num_chunks(tokenizer, document) - 1  # once
     joined = f"{specials[-1]}\n".join([long_text(4), " ", long_text(5), ""])
     for add_special_tokens in (False, True):
         want = plain.completion_token_ids(joined, add_special_tokens=add_special_tokens)
@@ -240,7 +288,9 @@ def test_production_like_tokenizers_chat_and_completion_ids_equal_uncached(name:
             assert want == cached.completion_token_ids(
                 joined, add_special_tokens=add_special_tokens, cache_scope=ANONYMOUS
             )
-    assert cache.stats().misses == 3  # and the two long parts of the completion prompt
+    # and the two long parts of the completion prompt
+    parts = num_chunks(tokenizer, long_text(4)) + num_chunks(tokenizer, "\n" + long_text(5))
+    assert cache.stats().misses == doc_misses + parts
 
 
 def _texts(tokenizer: Tokenizer) -> st.SearchStrategy[str]:
@@ -250,10 +300,12 @@ def _texts(tokenizer: Tokenizer) -> st.SearchStrategy[str]:
 
 @pytest.mark.parametrize("name", list(TOKENIZERS))
 def test_segmented_equals_whole_for_random_texts(name: str) -> None:
-    """Every cut made (``segmented_ids``), and the cached path with 4-character segments
-    (a miss, then a hit), equal encoding the whole text."""
+    """Every cut made (``segmented_ids``: at every cut token and line cut), and the cached
+    path with 4-character segments and chunks (a miss, then a hit), equal encoding the
+    whole text."""
     tokenizer = TOKENIZERS[name]
-    encoder = SegmentedEncoder.build(tokenizer, SegmentCache(100_000, min_segment_chars=4))
+    cache = SegmentCache(100_000, min_segment_chars=4, chunk_chars=4)
+    encoder = SegmentedEncoder.build(tokenizer, cache)
     assert encoder is not None
 
     @settings(max_examples=150, deadline=None)
@@ -266,6 +318,80 @@ def test_segmented_equals_whole_for_random_texts(name: str) -> None:
             assert got == want
 
     check()
+
+
+# --- line cuts: a long text cut at line starts ---------------------------------------------
+
+
+def test_line_cut_rule_follows_the_pre_tokenizer() -> None:
+    """Llama 3's regex keeps a newline run one pre-token, so any line start is a cut;
+    GPT-2's gives a whitespace run at the text's end one more pre-token, so only a lone
+    newline is; Metaspace (each chunk gets its own "▁") and a tokenizer with a
+    whitespace-stripping added token get none."""
+    rules = {}
+    for name, tokenizer in TOKENIZERS.items():
+        encoder = SegmentedEncoder.build(tokenizer, SegmentCache(10))
+        assert encoder is not None
+        rules[name] = encoder.line_cut_rule
+    assert rules == {
+        "tiny": "after_newlines",
+        "chatml_byte_level": "lone_newline",
+        "llama3_like_bos": "lone_newline",
+        "llama3_regex": "after_newlines",
+        "metaspace_always": None,
+        "bert_like": None,  # its [MASK] strips the whitespace on its left
+    }
+    gpt2 = TOKENIZERS["chatml_byte_level"]
+    blind_cut = whole(gpt2, "end.\n\n", False) + whole(gpt2, "Next", False)
+    assert blind_cut != whole(gpt2, "end.\n\nNext", False)  # what the self-check caught
+    assert line_cuts("end.\n\nNext\nline", 0, 15, 1, "lone_newline") == [11]
+    assert line_cuts("end.\n\nNext\nline", 0, 15, 1, "after_newlines") == [6, 11]
+
+
+@pytest.mark.parametrize("name", ["tiny", "chatml_byte_level", "llama3_regex"])
+def test_a_document_and_its_question_in_one_text_miss_only_the_last_chunk(name: str) -> None:
+    """Questions appended to one long document (RAG prompts, one text): after the first,
+    each question misses only the chunk it ends; the ids equal encoding the whole."""
+    tokenizer = TOKENIZERS[name]
+    cache = SegmentCache(1_000_000)
+    encoder = SegmentedEncoder.build(tokenizer, cache)
+    assert encoder is not None and encoder.line_cut_rule is not None
+    document = long_text(11, 40_000)
+    for number, question in enumerate(["Which worker?", "And the cache?\n", " 中文 😀"]):
+        text = f"{document}\n\nQuestion: {question}"
+        before = cache.stats()
+        for add_special_tokens in (False, True):
+            want = whole(tokenizer, text, add_special_tokens)
+            got = encoder.encode(text, add_special_tokens=add_special_tokens, scope=ANONYMOUS)
+            assert got == want
+        after = cache.stats()
+        chunks = num_chunks(tokenizer, text)
+        assert chunks >= 40_000 // CHUNK_CHARS
+        if number == 0:
+            assert (after.misses - before.misses, after.hits - before.hits) == (
+                chunks,
+                chunks,
+            )
+        else:  # the first encode misses the last chunk only; the second finds it too
+            assert (after.misses - before.misses, after.hits - before.hits) == (
+                1,
+                2 * chunks - 1,
+            )
+
+
+def test_shipped_chat_template_with_the_document_and_question_in_one_message() -> None:
+    cache = SegmentCache(1_000_000)
+    cached = ModelTokenizer.from_dir(model_dir("tiny"), segment_cache=cache)
+    plain = ModelTokenizer.from_dir(model_dir("tiny"))
+    document = long_text(12, 30_000)
+    misses = []
+    for question in ["Which worker holds it?", "What is a block?"]:
+        messages = [{"role": "user", "content": f"{document}\n\n{question}"}]
+        before = cache.stats().misses
+        got = cached.chat_token_ids(messages, add_special_tokens=True, cache_scope=ANONYMOUS)
+        assert got == plain.chat_token_ids(messages, add_special_tokens=True)
+        misses.append(cache.stats().misses - before)
+    assert misses[0] > 5 and misses[1] == 1
 
 
 def test_an_added_token_containing_a_special_one_is_never_cut_inside() -> None:
@@ -395,7 +521,8 @@ def test_lru_bound_under_concurrent_tokenizing() -> None:
         assert list(pool.map(encode, texts * 2)) == wanted * 2
     stats = cache.stats()
     assert stats.charged_tokens <= 5000 and stats.evictions > 0
-    assert stats.hits + stats.misses == len(texts) * 2
+    chunks_per_pass = sum(num_chunks(tokenizer, document) for document in documents * 4)
+    assert stats.hits + stats.misses == chunks_per_pass * 2
 
 
 # --- tenant isolation ----------------------------------------------------------------------
@@ -407,6 +534,7 @@ def test_tenants_and_cache_salts_never_share_an_entry() -> None:
     cache = SegmentCache(1_000_000)
     tokenizer = ModelTokenizer.from_dir(model_dir("tiny"), segment_cache=cache)
     document = long_text(7, 10_000)
+    chunks = num_chunks(tokenizer.tokenizer, document)
 
     async def main() -> None:
         pool = TokenizePool(1)
@@ -430,15 +558,18 @@ def test_tenants_and_cache_salts_never_share_an_entry() -> None:
                 }
                 if salt is not None:
                     body["cache_salt"] = salt
-                before = cache.stats().hits
+                before = cache.stats()
                 ids = await local.token_ids("chat", body, size_hint=20_000, tenant=tenant)
                 assert ids == tokenizer.chat_request_token_ids(body)
-                assert (cache.stats().hits == before + 1) == hit, (tenant, salt)
+                after = cache.stats()
+                found, missed = after.hits - before.hits, after.misses - before.misses
+                # every chunk of the document found, or every one missed
+                assert (found, missed) == ((chunks, 0) if hit else (0, chunks)), (tenant, salt)
         finally:
             pool.close()
 
     run(main())
-    assert cache.stats().entries == 5
+    assert cache.stats().entries == 5 * chunks
 
 
 def test_engine_backend_keeps_tenants_apart() -> None:
@@ -487,11 +618,12 @@ def test_config_sizes_the_shared_cache_and_metrics_count_it() -> None:
     assert isinstance(local, LocalPromptTokenizer) and local.tokenizer.segment_caching
     for _ in range(2):
         local.tokenizer.completion_token_ids(long_text(8), cache_scope=ANONYMOUS)
+    chunks = num_chunks(local.tokenizer.tokenizer, long_text(8))
     metrics = RouterMetrics()
     metrics.add_tokenize_cache_collector(registry.segment_cache_stats)
     text = metrics.render().decode()
     registry.close()
-    assert "kvroute_router_tokenize_cache_hits_total 1.0" in text
-    assert "kvroute_router_tokenize_cache_misses_total 1.0" in text
+    assert f"kvroute_router_tokenize_cache_hits_total {chunks:.1f}" in text
+    assert f"kvroute_router_tokenize_cache_misses_total {chunks:.1f}" in text
     assert "kvroute_router_tokenize_cache_evictions_total 0.0" in text
     assert "kvroute_router_tokenize_cache_tokens " in text
