@@ -239,11 +239,18 @@ DOCUMENT_WORKERS = 4  # workers holding a document's blocks (per prompt shape)
 TokenizeCase = Callable[[ModelTokenizer, CacheScope | None, int], list[int]]
 
 
-def long_context_cases(tokenizer: ModelTokenizer, prompt_tokens: int) -> dict[str, TokenizeCase]:
+def long_context_cases(
+    tokenizer: ModelTokenizer, prompt_tokens: int, iterations: int
+) -> dict[str, TokenizeCase]:
     """The long-context workload's requests, each about ``prompt_tokens`` tokens (the tiny
-    tokenizer is byte-level: one token per ASCII character); iteration i asks question i."""
+    tokenizer is byte-level: one token per ASCII character); iteration i asks question i.
+    The document is lines of 12 words in paragraphs of 8 lines, as prose and code come;
+    one case repeats it without any line break, one sends a new document (its lines
+    shuffled) each time."""
     rng = random.Random(11)
-    text = " ".join(rng.choice(WORDS) for _ in range(prompt_tokens // 5 + 1))
+    words = [rng.choice(WORDS) for _ in range(prompt_tokens // 5 + 1)]
+    lines = [" ".join(words[k : k + 12]) for k in range(0, len(words), 12)]
+    text = "\n\n".join("\n".join(lines[k : k + 8]) for k in range(0, len(lines), 8))
 
     def question(i: int) -> str:
         return f"Question {i}: which {WORDS[i % len(WORDS)]} holds the longest prefix?"
@@ -264,10 +271,24 @@ def long_context_cases(tokenizer: ModelTokenizer, prompt_tokens: int) -> dict[st
     def one_text(tok: ModelTokenizer, scope: CacheScope | None, i: int) -> list[int]:
         return tok.completion_token_ids(INSTRUCTION + document + question(i), cache_scope=scope)
 
+    unbroken = document.replace("\n", " ")
+
+    def one_line(tok: ModelTokenizer, scope: CacheScope | None, i: int) -> list[int]:
+        return tok.completion_token_ids(INSTRUCTION + unbroken + question(i), cache_scope=scope)
+
+    doc_lines = document.split("\n")
+    new_documents = ["\n".join(random.Random(i).sample(doc_lines, len(doc_lines)))
+                     for i in range(iterations + 1)]  # fmt: skip
+
+    def new_document(tok: ModelTokenizer, scope: CacheScope | None, i: int) -> list[int]:
+        return tok.completion_token_ids(INSTRUCTION + new_documents[i], cache_scope=scope)
+
     return {
         "chat, document in its own message, new question": chat,
         "completion, same long prompt again": same_completion,
         "completion, document + new question in one text": one_text,
+        "same, the document without line breaks": one_line,
+        "completion, a new document each time": new_document,
     }
 
 
@@ -329,11 +350,13 @@ def bench_tokenize_decide(
     }
     scopes: dict[str, CacheScope | None] = {"off": None, "on": CacheScope(None, None)}
     assert tokenizers["on"].segment_caching
-    cases = long_context_cases(tokenizers["off"], prompt_tokens)
+    cases = long_context_cases(tokenizers["off"], prompt_tokens, n)
     samples: dict[str, dict[str, list[float]]] = {}
     for c, (name, case) in enumerate(cases.items()):
         document_ids = case(tokenizers["off"], None, 0)
-        holders = workers[c * DOCUMENT_WORKERS : (c + 1) * DOCUMENT_WORKERS]
+        holders = [
+            workers[(c * DOCUMENT_WORKERS + k) % len(workers)] for k in range(DOCUMENT_WORKERS)
+        ]
         store_document(index, holders, document_ids, first_hash=10**12 * (c + 1))
         runners = {
             mode: decide_runner(index, workers, tokenizers[mode], scopes[mode], case)
