@@ -177,7 +177,7 @@ def added_work_factor(
 
 def saturated_utilization(mean_utilization: float, mean_waiting: float) -> float:
     """The fleet utilisation the recompute term reads with cache_aware's
-    ``waiting_saturates``: at least ``w / (w + 1)`` for a mean of ``w`` requests waiting
+    ``waiting_saturates``: at least ``w / (w + 1)`` for ``w`` requests waiting
     in the engines. NOTE: ``rho`` counts the prefill this router sent; an engine
     saturated by decode (or by other routers) queues requests while it stays low."""
     return max(mean_utilization, mean_waiting / (mean_waiting + 1.0))

@@ -464,6 +464,61 @@ def test_engines_with_waiting_queues_make_re_prefills_cost_what_they_cost_near_s
     assert (decision.worker_id == "w0") is stays
 
 
+def test_waiting_saturates_by_default() -> None:
+    """Every engine queues: the default policy reads the fleet as saturated and the
+    history stays, although the router's own prefill ``rho`` is 0."""
+    index, workers = make_fleet(2)
+    history = tokens(15, 62 * BLOCK)
+    store(index, "w0", history[: 60 * BLOCK])
+    workers[0].load.prefill_tokens_queued = 5000  # more than one re-prefill of the history
+    for worker in workers:
+        worker.load.num_waiting = 8
+    decision = scheduler(index, "cache_aware").pick(request(history), workers)
+    assert decision is not None and decision.worker_id == "w0"
+
+
+@pytest.mark.parametrize(("waiting_over", "idle_waiting", "stays"), [
+    ("gated_mean", 8, True),  # every engine queues: saturated, the history stays
+    ("gated_mean", 0, False),  # one engine has none waiting: the queue decides, it moves
+    ("mean", 0, True),  # the plain mean (4 waiting) fires with an idle engine too
+])  # fmt: skip
+def test_gated_waiting_reads_saturation_only_when_every_engine_queues(
+    waiting_over: str, idle_waiting: int, stays: bool
+) -> None:
+    index, workers = make_fleet(2)
+    history = tokens(16, 62 * BLOCK)
+    store(index, "w0", history[: 60 * BLOCK])
+    workers[0].load.prefill_tokens_queued = 5000  # more than one re-prefill of the history
+    workers[0].load.num_waiting = 8
+    workers[1].load.num_waiting = idle_waiting
+    sched = scheduler(index, "cache_aware", waiting_over=waiting_over, waiting_smoothing_s=0.0)
+    decision = sched.pick(request(history), workers)
+    assert decision is not None
+    assert (decision.worker_id == "w0") is stays
+
+
+def test_the_waiting_signal_outlives_a_stale_zero_for_the_smoothing_time() -> None:
+    """One engine's report reads 0 waiting moments after the whole fleet queued (its
+    report predates a burst): the smoothed signal keeps the history home; a minute
+    later the fleet is no longer read as saturated and the queue decides."""
+    index, workers = make_fleet(2)
+    history = tokens(17, 62 * BLOCK)
+    store(index, "w0", history[: 60 * BLOCK])
+    now = [0.0]
+    policy = CacheAwarePolicy(waiting_smoothing_s=2.0)
+    sched = Scheduler(index, policy, rng=random.Random(0), clock=lambda: now[0])
+    workers[0].load.prefill_tokens_queued = 5000  # more than one re-prefill of the history
+    for worker in workers:
+        worker.load.num_waiting = 8
+    for at, stays in ((0.0, True), (0.5, True), (60.0, False)):
+        now[0] = at
+        decision = sched.pick(request(history), workers)
+        assert decision is not None
+        assert (decision.worker_id == "w0") is stays, at
+        finish(sched, decision)
+        workers[1].load.num_waiting = 0  # the stale zero, from here on
+
+
 def test_a_worker_without_events_keeps_its_routing_history_as_predictions() -> None:
     """No events will confirm or drop its blocks, so its predictions live
     ``eventless_prediction_ttl_s``; a worker with events gets the short lifetime."""

@@ -18,10 +18,19 @@ rho_mean / (1 - rho_mean) x (uncached - least uncached of any candidate) x
 seconds_per_prefill_token`` (``cost_model``'s NOTE on ``recompute``): a conversation
 leaves the worker holding its history only when the queue there costs more than the
 re-prefills the move causes, which near saturation is rarely. With ``waiting_saturates``
-(off by default: on the conversation trace it cost GPU-time balance) that term's
-``rho_mean`` is at least ``w / (w + 1)`` for a mean of ``w`` requests waiting in the
-engines, so a fleet saturated by decode (which the prefill ``rho`` misses) keeps
-conversations home too.
+(on by default) that term's ``rho_mean`` is at least ``w / (w + 1)`` for ``w`` requests
+waiting in the engines (``waiting_signal``), so a fleet saturated by decode (which the
+prefill ``rho`` misses) keeps conversations and tenants' prompts home too.
+
+NOTE: ``w`` is by default the candidates' mean waiting only while every candidate has
+requests waiting (``waiting_over`` "gated_mean"), held up by its average over
+``waiting_smoothing_s`` (2 s). The plain mean ("mean", the old behaviour) fired on the
+conversation trace, where a few workers queue while others idle, and cost GPU-time
+balance there; gated, it never fired on that sweep (0 of 2000 picks), while on the
+hot-prefix tenants workload past saturation it keeps cold tenants' prompts home (TTFT
+p90 about 3.4 s against 4.7 s with it off, token hits 0.70 against 0.66). The smoothing
+bridges the stale zero of a worker whose last load report predates a burst; the
+minimum of the waiting counts instead ("min" as tried) was mostly that stale zero.
 
 NOTE: without the added-work term a burst of requests on one new long prefix is a
 wash for TTFT (the second request waits for the first's prefill either way) and the
@@ -69,6 +78,10 @@ from router.scheduling.utilization import RecentUtilization
 # first observed), "pooled" the fleet's mean for all, "auto" the fleet's mean unless the
 # worker is measurably different (``RateLearner.distinct_worker_rates``).
 RATE_SHARING = ("auto", "pooled", "per_worker")
+# With ``waiting_saturates``, the waiting count ``w`` the recompute term reads: "mean" the
+# candidates' mean; "gated_mean" that mean while every candidate has requests waiting, else
+# 0 (a fleet with an idle worker is not saturated). See the module NOTE.
+WAITING_OVER = ("gated_mean", "mean")
 
 
 class CacheAwarePolicy(BasePolicy):
@@ -83,7 +96,9 @@ class CacheAwarePolicy(BasePolicy):
         busy_window_s: float = 60.0,
         rate_sharing: str = "auto",
         recompute_weight: float = 3.0,
-        waiting_saturates: bool = False,
+        waiting_saturates: bool = True,
+        waiting_over: str = "gated_mean",
+        waiting_smoothing_s: float = 2.0,
     ) -> None:
         if temperature < 0:
             raise ValueError("temperature must be >= 0")
@@ -96,6 +111,15 @@ class CacheAwarePolicy(BasePolicy):
         self.recompute_weight = recompute_weight
         # the recompute term reads cost_model.saturated_utilization (off: the prefill rho)
         self.waiting_saturates = waiting_saturates
+        if waiting_over not in WAITING_OVER:
+            raise ValueError(f"waiting_over must be one of {', '.join(WAITING_OVER)}")
+        if waiting_smoothing_s < 0:
+            raise ValueError("waiting_smoothing_s must be >= 0")
+        self.waiting_over = waiting_over
+        self.waiting_smoothing_s = waiting_smoothing_s
+        # the waiting signal's exponential average and when it was last updated
+        self._waiting_average = 0.0
+        self._waiting_at: float | None = None
         self.tier_costs = tier_costs  # also the Scheduler's (see Policy.tier_costs)
         self.temperature = temperature
         self.added_work_weight = added_work_weight
@@ -141,6 +165,25 @@ class CacheAwarePolicy(BasePolicy):
             return 0.0
         return self.busy.mean_utilization((w.worker_id for w in ctx.candidates), ctx.now)
 
+    def waiting_signal(self, ctx: PickContext) -> float:
+        """``w`` of ``waiting_saturates`` (see ``WAITING_OVER``), at least its exponential
+        average over ``waiting_smoothing_s`` (which this call updates)."""
+        waits = [w.load.num_waiting for w in ctx.candidates]
+        if self.waiting_over == "gated_mean" and min(waits) <= 0:
+            waiting = 0.0
+        else:
+            waiting = sum(waits) / len(waits)
+        if self.waiting_smoothing_s <= 0:
+            return waiting
+        if self._waiting_at is None:
+            self._waiting_average = waiting
+        else:
+            elapsed = ctx.now - self._waiting_at
+            keep = math.exp(-elapsed / self.waiting_smoothing_s) if elapsed > 0 else 1.0
+            self._waiting_average = self._waiting_average * keep + waiting * (1.0 - keep)
+        self._waiting_at = ctx.now
+        return max(waiting, self._waiting_average)
+
     def choose(self, ctx: PickContext) -> WorkerView:
         candidates = ctx.candidates
         scores = self.expected_ttfts(ctx)
@@ -185,8 +228,7 @@ class CacheAwarePolicy(BasePolicy):
         weight_per_share = self.added_work_weight / (mean_rho + eps)
         recompute_rho = mean_rho
         if self.waiting_saturates:
-            waiting = sum(w.load.num_waiting for w in ctx.candidates) / len(ctx.candidates)
-            recompute_rho = saturated_utilization(mean_rho, waiting)
+            recompute_rho = saturated_utilization(mean_rho, self.waiting_signal(ctx))
         recompute = recompute_factor(self.recompute_weight, recompute_rho, max_rho)
         # pass 1: each candidate's uncached work (the recompute term needs their minimum)
         uncached_values: list[float] = []
@@ -273,6 +315,8 @@ def _create(params: Mapping[str, ParamValue]) -> CacheAwarePolicy:
         rate_sharing=str(params["rate_sharing"]),
         recompute_weight=float(params["recompute_weight"]),
         waiting_saturates=bool(params["waiting_saturates"]),
+        waiting_over=str(params["waiting_over"]),
+        waiting_smoothing_s=float(params["waiting_smoothing_s"]),
     )
 
 
@@ -307,9 +351,23 @@ SPEC = PolicySpec(
         ParamSpec(
             "waiting_saturates",
             bool,
-            False,
-            "the recompute term's utilisation is at least w / (w + 1) for a mean of w "
-            "requests waiting in the engines",
+            True,
+            "the recompute term's utilisation is at least w / (w + 1) for w requests "
+            "waiting in the engines (see waiting_over)",
+        ),
+        ParamSpec(
+            "waiting_over",
+            str,
+            "gated_mean",
+            "w of waiting_saturates: gated_mean (the candidates' mean while every one has "
+            "requests waiting, else 0) or mean (the candidates' mean)",
+        ),
+        ParamSpec(
+            "waiting_smoothing_s",
+            float,
+            2.0,
+            "w of waiting_saturates is at least its exponential average over this many "
+            "seconds (0: the latest load reports alone)",
         ),
         ParamSpec(
             "rate_sharing",
