@@ -6,8 +6,9 @@ children included), waits, then SIGKILLs what is left: no orphans. Readiness is 
 over HTTP with a deadline, and a child that dies while starting fails fast with the
 tail of its log.
 
-Ports are picked free by binding port 0 on 127.0.0.1 and releasing it just before the
-child binds it (a small race, acceptable on one machine).
+Ports are picked free on 127.0.0.1 below the kernel's ephemeral range and released just
+before the child binds them (``free_port``): the only race left is with another program
+binding that very port on purpose.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -37,8 +39,42 @@ class FleetError(RuntimeError):
     """A child failed to start or become ready in time; the message has its log tail."""
 
 
+PORT_FLOOR = 20_000  # free_port picks from [PORT_FLOOR, the ephemeral range's start)
+_handed_out: set[int] = set()  # ports free_port returned in this process
+_port_rng = random.Random()
+
+
+def ephemeral_port_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux's; 32768, its default,
+    elsewhere: macOS's range starts higher)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A TCP port on 127.0.0.1 that is free now, outside the kernel's ephemeral range and
+    never returned before by this process.
+
+    NOTE: a port from binding port 0 lies in the ephemeral range, and once released the
+    kernel may give it to anyone: to an outgoing connection or a port-0 bind of a child
+    already starting (a demo worker once failed to bind its HTTP port so). Below that
+    range the kernel never hands ports out by itself.
+    """
+    start = ephemeral_port_start()
+    for _ in range(200) if start - PORT_FLOOR >= 1000 else ():
+        port = _port_rng.randrange(PORT_FLOOR, start)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((HOST, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # odd port ranges
         sock.bind((HOST, 0))
         return int(sock.getsockname()[1])
 
