@@ -20,6 +20,7 @@ from router.scheduling.cost_model import (
 from router.scheduling.policies.cache_aware import CacheAwarePolicy
 from router.scheduling.policy import PickContext
 from router.scheduling.scheduler import Scheduler
+from router.scheduling.types import WorkerView
 from tests.router.test_scheduling_policies import (
     BLOCK,
     MODEL,
@@ -31,6 +32,16 @@ from tests.router.test_scheduling_policies import (
     store,
     tokens,
 )
+
+
+def queued_history(seed: int) -> tuple[PrefixIndex, list[WorkerView], list[int]]:
+    """Two workers; a 62-block conversation history of which w0 holds 60 blocks, and w0
+    has more prefill queued than one re-prefill of the history (the queue says move)."""
+    index, workers = make_fleet(2)
+    history = tokens(seed, 62 * BLOCK)
+    store(index, "w0", history[: 60 * BLOCK])
+    workers[0].load.prefill_tokens_queued = 5000
+    return index, workers, history
 
 
 def test_picks_the_cached_worker_when_loads_are_equal() -> None:
@@ -431,10 +442,7 @@ def test_a_prediction_lives_until_the_expected_prefill_end_plus_the_ttl(
 def test_a_conversation_leaves_its_worker_only_when_the_queue_costs_more_than_the_re_prefill(
     recompute_weight: float, busy_s: float, stays: bool
 ) -> None:
-    index, workers = make_fleet(2)
-    history = tokens(11, 62 * BLOCK)
-    store(index, "w0", history[: 60 * BLOCK])
-    workers[0].load.prefill_tokens_queued = 5000  # more than one re-prefill of the history
+    index, workers, history = queued_history(11)
     sched = scheduler(index, "cache_aware", recompute_weight=recompute_weight)
     policy = sched.policy
     assert isinstance(policy, CacheAwarePolicy) and policy.busy is not None
@@ -452,10 +460,7 @@ def test_engines_with_waiting_queues_make_re_prefills_cost_what_they_cost_near_s
     """The router sent little prefill (rho 0), but every engine has requests waiting (a
     fleet saturated by decode, or by other routers): with ``waiting_saturates`` the
     recompute term reads the fleet as saturated and the history stays."""
-    index, workers = make_fleet(2)
-    history = tokens(14, 62 * BLOCK)
-    store(index, "w0", history[: 60 * BLOCK])
-    workers[0].load.prefill_tokens_queued = 5000  # more than one re-prefill of the history
+    index, workers, history = queued_history(14)
     for worker in workers:
         worker.load.num_waiting = 8  # 8 / (8 + 1): rho 0.89 for the recompute term
     sched = scheduler(index, "cache_aware", waiting_saturates=waiting_saturates)
@@ -467,10 +472,7 @@ def test_engines_with_waiting_queues_make_re_prefills_cost_what_they_cost_near_s
 def test_waiting_saturates_by_default() -> None:
     """Every engine queues: the default policy reads the fleet as saturated and the
     history stays, although the router's own prefill ``rho`` is 0."""
-    index, workers = make_fleet(2)
-    history = tokens(15, 62 * BLOCK)
-    store(index, "w0", history[: 60 * BLOCK])
-    workers[0].load.prefill_tokens_queued = 5000  # more than one re-prefill of the history
+    index, workers, history = queued_history(15)
     for worker in workers:
         worker.load.num_waiting = 8
     decision = scheduler(index, "cache_aware").pick(request(history), workers)
@@ -485,10 +487,7 @@ def test_waiting_saturates_by_default() -> None:
 def test_gated_waiting_reads_saturation_only_when_every_engine_queues(
     waiting_over: str, idle_waiting: int, stays: bool
 ) -> None:
-    index, workers = make_fleet(2)
-    history = tokens(16, 62 * BLOCK)
-    store(index, "w0", history[: 60 * BLOCK])
-    workers[0].load.prefill_tokens_queued = 5000  # more than one re-prefill of the history
+    index, workers, history = queued_history(16)
     workers[0].load.num_waiting = 8
     workers[1].load.num_waiting = idle_waiting
     sched = scheduler(index, "cache_aware", waiting_over=waiting_over, waiting_smoothing_s=0.0)
@@ -501,13 +500,10 @@ def test_the_waiting_signal_outlives_a_stale_zero_for_the_smoothing_time() -> No
     """One engine's report reads 0 waiting moments after the whole fleet queued (its
     report predates a burst): the smoothed signal keeps the history home; a minute
     later the fleet is no longer read as saturated and the queue decides."""
-    index, workers = make_fleet(2)
-    history = tokens(17, 62 * BLOCK)
-    store(index, "w0", history[: 60 * BLOCK])
+    index, workers, history = queued_history(17)
     now = [0.0]
     policy = CacheAwarePolicy(waiting_smoothing_s=2.0)
     sched = Scheduler(index, policy, rng=random.Random(0), clock=lambda: now[0])
-    workers[0].load.prefill_tokens_queued = 5000  # more than one re-prefill of the history
     for worker in workers:
         worker.load.num_waiting = 8
     for at, stays in ((0.0, True), (0.5, True), (60.0, False)):
