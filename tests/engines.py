@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from loadtest.fleet import free_port  # below the ephemeral range, never twice
 from worker.models import model_dir, served_model_name
 from worker.vllm_launch import root_cause, zmq_bind_endpoint
 
@@ -46,23 +46,6 @@ KV_TOPIC = "kv"
 LOOPBACK = "127.0.0.1"
 STARTUP_TIMEOUT_S = 600.0  # 80-100 s alone; much longer when two start on 2 busy cores
 STOP_TIMEOUT_S = 30.0
-
-
-_HANDED_OUT_PORTS: set[int] = set()
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0), never one
-    this process handed out before: the kernel may give a just-released port again, and
-    two servers started together (HTTP, ZMQ and replay ports each) must not share one."""
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-        if port not in _HANDED_OUT_PORTS:
-            _HANDED_OUT_PORTS.add(port)
-            return port
-    raise RuntimeError("no fresh free port after 100 tries")
 
 
 def kv_events_config(zmq_port: int, replay_port: int, topic: str = KV_TOPIC) -> str:
