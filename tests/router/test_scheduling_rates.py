@@ -135,9 +135,14 @@ def test_new_workers_start_from_the_learned_fleet_mean() -> None:
     assert learner.rates_of(WorkerId("c")).seconds_per_prefill_token == pytest.approx(2e-3, rel=0.1)
 
 
-def test_only_measurably_different_workers_keep_their_own_rates() -> None:
-    """Identical replicas with noisy TTFTs share the fleet's rates; a worker 2x slower
-    gets its own once it has enough observations."""
+@pytest.mark.parametrize(("slowdown", "distinct"), [(3.2, True), (1.7, False)])
+def test_only_measurably_different_workers_keep_their_own_rates(
+    slowdown: float, distinct: bool
+) -> None:
+    """Identical replicas with noisy TTFTs share the fleet's rates; a worker 3.2x slower
+    (an A100 beside H100s) gets its own once it has enough observations, one 1.7x slower
+    (as far as identical replicas' learned rates drift apart on a heavy-tailed mix) does
+    not."""
     learner = RateLearner()
     rng = random.Random(3)
     replicas = [WorkerId(f"w{i}") for i in range(6)]
@@ -151,16 +156,16 @@ def test_only_measurably_different_workers_keep_their_own_rates() -> None:
     for _ in range(40):  # too few for anyone to stand apart
         for worker in replicas:
             observe(worker, 5e-5)
-        observe(slow, 1e-4)
+        observe(slow, slowdown * 5e-5)
     assert learner.distinct_worker_rates() == {}
     for _ in range(60):
         for worker in replicas:
             observe(worker, 5e-5)
-        observe(slow, 1e-4)
+        observe(slow, slowdown * 5e-5)
     learner.observe(slow, prefill_tokens=1, num_running=0, ttft_s=0.01)  # may refresh
     for _ in range(_until_refresh(learner)):
         observe(replicas[0], 5e-5)
-    assert set(learner.distinct_worker_rates()) == {slow}
+    assert set(learner.distinct_worker_rates()) == ({slow} if distinct else set())
     learner.forget_worker(slow)
     assert learner.distinct_worker_rates() == {}
 
