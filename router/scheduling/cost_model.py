@@ -13,15 +13,18 @@
                           * s_prefill(w) * uncached(w)
                 + recompute_weight * mean_rho / (1 - mean_rho)
                           * s_prefill(w) * (uncached(w) - min_v uncached(v))
-    share(w)    = (rho(w) + eps) / (mean_rho + eps)
+    share(w)    = (work(w) + eps) / (mean_work + eps)
 
 ``overhead``, ``s_prefill`` (seconds per prefill token) and ``s_running`` are learned
 per worker (``rates.py``); ``added_work_weight`` is cache_aware's parameter (0.5);
 ``rho(w)`` is the worker's recent utilisation by the prefill this router sent it and
 ``mean_rho`` the fleet's mean (``utilization.py``; both 0 when the term is off, which
-makes the factor 1). Prefill cost is linear in tokens here: weighing recomputed tokens
-for attention's quadratic cost was tried (BENCHMARKS.md, "In-flight prefixes and
-re-prefills") and lowered hits and raised TTFT p90 and GPU-second imbalance.
+makes the factor 1); ``work(w)`` is the same with each prefill weighed for attention
+(``attention_weighted_tokens``) and ``mean_work`` its mean, so the share balances GPU
+time rather than tokens. Elsewhere prefill cost is linear in tokens: weighing recomputed
+tokens for attention's cost in the TTFT and the learned rates too was tried
+(BENCHMARKS.md, "In-flight prefixes and re-prefills") and lowered hits and raised TTFT
+p90.
 
 NOTE: the prefill a request adds costs more than its own TTFT, and more on a worker that
 has lately taken more than its share of the work:
@@ -165,14 +168,40 @@ SHARE_SMOOTHING = 0.01  # ``eps`` in ``share``: 1 % utilisation; 0/0 (no work ye
 
 
 def added_work_factor(
-    added_work_weight: float, utilization: float, mean_utilization: float
+    added_work_weight: float,
+    utilization: float,
+    mean_utilization: float,
+    share_utilization: float | None = None,
+    mean_share_utilization: float | None = None,
 ) -> float:
     """``1 + added_work_weight * share / (1 - rho)``: what one uncached token weighs.
 
-    Computed as ``1 + (weight / (mean + eps)) * (rho + eps) / (1 - rho)``, the order
-    ``cache_aware`` inlines (its first factor is the same for every worker of a pick)."""
-    weight_per_share = added_work_weight / (mean_utilization + SHARE_SMOOTHING)
-    return 1.0 + weight_per_share * (utilization + SHARE_SMOOTHING) / (1.0 - utilization)
+    ``share`` is ``(share_utilization + eps) / (mean_share_utilization + eps)``; both
+    default to ``utilization`` and ``mean_utilization`` (cache_aware's
+    ``attention_context_tokens`` measures them in attention-weighted work; see
+    ``attention_weighted_tokens``). Computed as ``1 + (weight / (mean_share + eps)) *
+    (share + eps) / (1 - rho)``, the order ``cache_aware`` inlines (its first factor is the
+    same for every worker of a pick)."""
+    share = utilization if share_utilization is None else share_utilization
+    mean_share = mean_utilization if mean_share_utilization is None else mean_share_utilization
+    weight_per_share = added_work_weight / (mean_share + SHARE_SMOOTHING)
+    return 1.0 + weight_per_share * (share + SHARE_SMOOTHING) / (1.0 - utilization)
+
+
+def attention_weighted_tokens(
+    new_tokens: float, context_tokens: float, attention_context_tokens: float
+) -> float:
+    """Prefilling ``new_tokens`` over ``context_tokens`` already in the KV, in tokens of
+    dense-layer work: ``u * (1 + (c + u / 2) / A)``, or ``u`` for ``A`` <= 0.
+
+    A token's dense layers cost ``2 * params`` FLOPs and its causal attention over ``c``
+    tokens ``4 * layers * hidden * c``; ``A = params / (2 * layers * hidden)`` is the
+    context at which the two are equal (30.6K tokens for Llama-3.1-8B, 53K for
+    Llama-3.1-70B). Summed over the ``u`` new tokens the attention part is
+    ``u * (c + u / 2) / A``."""
+    if attention_context_tokens <= 0 or new_tokens <= 0:
+        return max(new_tokens, 0.0)
+    return new_tokens * (1.0 + (context_tokens + new_tokens / 2.0) / attention_context_tokens)
 
 
 def saturated_utilization(mean_utilization: float, mean_waiting: float) -> float:
@@ -203,6 +232,8 @@ def expected_ttft(
     now: float | None = None,
     recompute_tokens: float = 0.0,
     recompute_factor: float = 0.0,
+    share_utilization: float | None = None,
+    mean_share_utilization: float | None = None,
 ) -> float:
     """Expected TTFT in seconds, plus the weighted prefill time this request adds (module
     docstring; ``added_work_factor``) and the recompute term (``recompute_tokens``: its
@@ -217,7 +248,14 @@ def expected_ttft(
         load.prefill_tokens_queued
         + load.inflight_prefill_tokens
         - progress
-        + uncached_tokens * added_work_factor(added_work_weight, utilization, mean_utilization)
+        + uncached_tokens
+        * added_work_factor(
+            added_work_weight,
+            utilization,
+            mean_utilization,
+            share_utilization,
+            mean_share_utilization,
+        )
         + recompute_tokens * recompute_factor
     )
     return rates.predict_ttft(work, max(load.num_running, load.num_inflight))

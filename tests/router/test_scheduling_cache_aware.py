@@ -12,6 +12,7 @@ from kvindex.hashing import Namespace, hash_prompt
 from kvindex.index import PrefixIndex
 from router.scheduling.cost_model import (
     TierCosts,
+    attention_weighted_tokens,
     effective_uncached_tokens,
     expected_ttft,
     hit_tokens,
@@ -32,6 +33,7 @@ from tests.router.test_scheduling_policies import (
     store,
     tokens,
 )
+from worker.sim.timing import DEFAULT_GPU_PROFILE, get_gpu_profile
 
 
 def queued_history(seed: int) -> tuple[PrefixIndex, list[WorkerView], list[int]]:
@@ -255,6 +257,10 @@ def test_inlined_scores_equal_the_cost_model_bit_for_bit(rate_sharing: str) -> N
     policy.busy.add(workers[1].worker_id, 4.0, now=1.0)  # recently busy workers
     policy.busy.add(workers[3].worker_id, 90.0, now=2.0)  # capped at max_utilization
     policy.busy.add(workers[5].worker_id, 1.5, now=3.0)
+    assert policy.busy_work is not None  # share's attention-weighted work: other values
+    policy.busy_work.add(workers[1].worker_id, 9.0, now=1.0)
+    policy.busy_work.add(workers[3].worker_id, 120.0, now=2.0)  # uncapped
+    policy.busy_work.add(workers[5].worker_id, 2.5, now=3.0)
     now = 7.5
     ctx = PickContext(
         request(prompt), workers, index=index, rates=sched.rates, rng=random.Random(0),
@@ -262,7 +268,7 @@ def test_inlined_scores_equal_the_cost_model_bit_for_bit(rate_sharing: str) -> N
     )  # fmt: skip
     overlaps = ctx.overlaps(workers[0])
     assert overlaps["w0"] == overlaps["w1"]
-    rhos = [policy.utilization(w.worker_id, now) for w in workers]
+    rhos = [policy.utilization(ctx, w.worker_id) for w in workers]
     assert len({rho for rho in rhos if rho > 0}) == 3 and max(rhos) == policy.busy.max_utilization
     rates = [policy.scoring_rates(sched.rates, w.worker_id) for w in workers]
     num_distinct = len({id(r) for r in rates})
@@ -274,12 +280,21 @@ def test_inlined_scores_equal_the_cost_model_bit_for_bit(rate_sharing: str) -> N
     mean_rho = policy.mean_utilization(ctx)
     recompute = recompute_factor(policy.recompute_weight, mean_rho, policy.busy.max_utilization)
     assert recompute > 0
+    shares = [policy.share_utilization(w.worker_id, now) for w in workers]
+    mean_share = policy.mean_share_utilization(ctx)
+    assert max(shares) > 1.0  # uncapped
+    # each rho: the candidates' mean spread by attention-weighted work, capped
+    assert rhos[5] == pytest.approx(mean_rho * shares[5] / mean_share)
+    assert rhos[5] != pytest.approx(policy.busy.utilization(workers[5].worker_id, now))
     expected = [
         expected_ttft(
-            worker_rates, w.load, u, 0.3, rho, mean_rho, now, u - min(uncached), recompute
+            worker_rates, w.load, u, 0.3, rho, mean_rho, now, u - min(uncached), recompute,
+            share, mean_share,
         )
-        for w, rho, worker_rates, u in zip(workers, rhos, rates, uncached, strict=True)
-    ]
+        for w, rho, share, worker_rates, u in zip(
+            workers, rhos, shares, rates, uncached, strict=True
+        )
+    ]  # fmt: skip
     assert policy.expected_ttfts(ctx) == expected
     assert len(set(expected)) == len(workers)  # the case is not degenerate
 
@@ -346,7 +361,10 @@ def _light_load_imbalance(busy_window_s: float, seed: int, rate_sharing: str = "
     for worker in workers:
         store(index, worker.worker_id, first_block)
     clock = [0.0]
-    policy = CacheAwarePolicy(busy_window_s=busy_window_s, rate_sharing=rate_sharing)
+    # prefill here costs the same per token at any length: no attention weighting
+    policy = CacheAwarePolicy(
+        busy_window_s=busy_window_s, rate_sharing=rate_sharing, attention_context_tokens=0.0
+    )
     sched = Scheduler(index, policy, rng=random.Random(seed), clock=lambda: clock[0])
     rng = random.Random(seed)
     worker_to_work: Counter[str] = Counter()
@@ -375,6 +393,59 @@ def test_busy_term_and_shared_rates_balance_new_work_at_light_load() -> None:
     # on these seeds: 1.07-1.26, 1.32-1.58 and 3.8-6.5
     assert max(both) <= 1.3
     assert sum(both) < sum(shared_rates_only) < 0.5 * sum(neither)
+
+
+def _gpu_work_imbalance(attention_context_tokens: float, seed: int) -> float:
+    """Like ``_light_load_imbalance`` at ~0.5 utilisation, but prefill time grows with
+    attention (``attention_weighted_tokens`` at 32K, as the simulator's Llama-3.1-8B):
+    max / mean over workers of the prefill seconds routed there."""
+    index, workers = make_fleet(8)
+    first_block = tokens(9, BLOCK)
+    for worker in workers:
+        store(index, worker.worker_id, first_block)
+    clock = [0.0]
+    policy = CacheAwarePolicy(attention_context_tokens=attention_context_tokens)
+    sched = Scheduler(index, policy, rng=random.Random(seed), clock=lambda: clock[0])
+    rng = random.Random(seed)
+    worker_to_seconds: Counter[str] = Counter()
+    for i in range(400):
+        clock[0] += rng.expovariate(4.0)
+        num_tokens = min(int(rng.paretovariate(1.3) * 1600), 96_000)  # a few very long
+        unique = range(1_000_000 * (i + 1), 1_000_000 * (i + 1) + num_tokens)
+        decision = sched.pick(request([*first_block, *unique]), workers)
+        assert decision is not None
+        uncached = decision.inflight_prefill_tokens
+        seconds = 5e-5 * attention_weighted_tokens(uncached, BLOCK, 32768.0)
+        worker_to_seconds[decision.worker_id] += seconds
+        sched.on_first_token(decision, 0.01 + seconds)
+        sched.on_finish(decision, num_cached_tokens=None, ok=True)
+    seconds = [worker_to_seconds[w.worker_id] for w in workers]
+    return max(seconds) / (sum(seconds) / len(seconds))
+
+
+def test_attention_weighted_share_balances_gpu_time_not_tokens() -> None:
+    """Long prompts cost more GPU time per token (attention): a share counted in tokens
+    lets the worker that took them keep taking more; weighted, GPU time evens out."""
+    seeds = range(6)
+    weighted = [_gpu_work_imbalance(32768.0, seed) for seed in seeds]
+    tokens_only = [_gpu_work_imbalance(0.0, seed) for seed in seeds]
+    # on these seeds: 1.07-1.30 against 1.12-1.48, lower on every one
+    better = sum(w < t for w, t in zip(weighted, tokens_only, strict=True))
+    assert better >= 5 and sum(weighted) < 0.9 * sum(tokens_only), (weighted, tokens_only)
+
+
+@pytest.mark.parametrize(("context", "new"), [(0, 1), (0, 4096), (100_000, 2048), (512, 120_000)])
+def test_attention_weighted_tokens_are_the_simulators_flops(context: int, new: int) -> None:
+    """At ``params / (2 x layers x hidden)`` the weighted tokens times a token's dense
+    FLOPs are the simulator's prefill FLOPs for the same step."""
+    profile = get_gpu_profile(DEFAULT_GPU_PROFILE)
+    attention_context = profile.num_params / (2 * profile.num_layers * profile.hidden_size)
+    simulated = 2 * profile.num_params * new + 4 * profile.num_layers * profile.hidden_size * (
+        new * (context + new / 2)
+    )
+    weighted = attention_weighted_tokens(new, context, attention_context)
+    assert weighted * 2 * profile.num_params == pytest.approx(simulated, rel=1e-12)
+    assert attention_weighted_tokens(new, context, 0.0) == new  # off: tokens
 
 
 def test_busy_worker_keeps_a_mostly_cached_request() -> None:

@@ -11,7 +11,18 @@ seconds_per_prefill_token``: the prefill this request adds delays later requests
 worker and evicts blocks there, which a pure TTFT greedy ignores, and both cost more on
 a worker that has lately taken more than its share (``rho``: its recent utilisation by
 the prefill this router sent it, ``RecentUtilization`` over ``busy_window_s``; ``share``:
-rho over the candidates' mean; see ``cost_model``).
+the worker's recent attention-weighted prefill work over the candidates' mean; see
+``cost_model``).
+
+NOTE: the busy term weighs each prefill for attention (``attention_context_tokens``,
+``cost_model.attention_weighted_tokens``). The learned rates are linear in tokens, so
+in tokens it balanced tokens: on the 2,000-request Mooncake sweep at 3x the uncached
+tokens per worker were within 1.06 of the mean while the GPU-seconds were 1.22 (the
+worker with the fewest requests had the most 64K+ prompts, whose attention costs 2-3x
+their dense layers). The fleet's mean ``rho`` stays in learned seconds, where
+``1 / (1 - rho)`` and the recompute term are calibrated; each worker's ``rho`` is that
+mean times its attention-weighted work over the candidates' mean, so both ``share`` and
+``1 / (1 - rho)`` rank workers by GPU time.
 
 A third term prices recomputing what another candidate holds: ``recompute_weight x
 rho_mean / (1 - rho_mean) x (uncached - least uncached of any candidate) x
@@ -58,6 +69,7 @@ from router.scheduling.cost_model import (
     DEFAULT_TIER_COSTS,
     SHARE_SMOOTHING,
     TierCosts,
+    attention_weighted_tokens,
     effective_uncached_tokens,
     recompute_factor,
     saturated_utilization,
@@ -99,6 +111,7 @@ class CacheAwarePolicy(BasePolicy):
         waiting_saturates: bool = True,
         waiting_over: str = "gated_mean",
         waiting_smoothing_s: float = 2.0,
+        attention_context_tokens: float = 32768.0,
     ) -> None:
         if temperature < 0:
             raise ValueError("temperature must be >= 0")
@@ -108,6 +121,9 @@ class CacheAwarePolicy(BasePolicy):
             raise ValueError("recompute_weight must be >= 0")
         if busy_window_s < 0:
             raise ValueError("busy_window_s must be >= 0")
+        if attention_context_tokens < 0:
+            raise ValueError("attention_context_tokens must be >= 0")
+        self.attention_context_tokens = attention_context_tokens
         self.recompute_weight = recompute_weight
         # the recompute term reads cost_model.saturated_utilization (off: the prefill rho)
         self.waiting_saturates = waiting_saturates
@@ -128,18 +144,30 @@ class CacheAwarePolicy(BasePolicy):
         self.rate_sharing = rate_sharing
         # None: the busy term is off (rho = 0 for every worker)
         self.busy = RecentUtilization(busy_window_s) if busy_window_s > 0 else None
+        # ``share``'s work, attention-weighted (None: share reads ``busy``, in tokens)
+        self.busy_work = (
+            RecentUtilization(busy_window_s)
+            if busy_window_s > 0 and attention_context_tokens > 0
+            else None
+        )
 
     def on_routed(self, ctx: PickContext, decision: Decision) -> None:
         """Charge the chosen worker the prefill seconds this request adds there."""
         if self.busy is None or decision.inflight_prefill_tokens <= 0:
             return
         rates = self.scoring_rates(ctx.rates, decision.worker_id)
-        seconds = decision.inflight_prefill_tokens * rates.seconds_per_prefill_token
-        self.busy.add(decision.worker_id, seconds, ctx.now)
+        uncached = decision.inflight_prefill_tokens
+        self.busy.add(decision.worker_id, uncached * rates.seconds_per_prefill_token, ctx.now)
+        if self.busy_work is not None:
+            context = max(decision.num_prompt_tokens - uncached, 0)
+            work = attention_weighted_tokens(uncached, context, self.attention_context_tokens)
+            self.busy_work.add(decision.worker_id, work * rates.seconds_per_prefill_token, ctx.now)
 
     def forget_worker(self, worker_id: WorkerId) -> None:
         if self.busy is not None:
             self.busy.forget(worker_id)
+        if self.busy_work is not None:
+            self.busy_work.forget(worker_id)
 
     def own_rates(self, learner: RateLearner) -> dict[WorkerId, WorkerRates]:
         """Workers scored with their own learned rates; every other one reads the
@@ -155,9 +183,32 @@ class CacheAwarePolicy(BasePolicy):
         own = self.own_rates(learner).get(worker_id)
         return own if own is not None else learner.fleet_rates()
 
-    def utilization(self, worker_id: WorkerId, now: float) -> float:
-        """``rho`` of ``worker_id`` as the score reads it (0 when the term is off)."""
-        return 0.0 if self.busy is None else self.busy.utilization(worker_id, now)
+    def utilization(self, ctx: PickContext, worker_id: WorkerId) -> float:
+        """``rho`` of ``worker_id`` as the score reads it (0 when the term is off): the
+        candidates' mean utilisation times the worker's attention-weighted work over
+        their mean (its own utilisation when that weighting is off), capped."""
+        if self.busy is None:
+            return 0.0
+        if self.busy_work is None:
+            return self.busy.utilization(worker_id, ctx.now)
+        mean_share = self.mean_share_utilization(ctx)
+        share = self.share_utilization(worker_id, ctx.now)
+        rho = self.mean_utilization(ctx) * share / mean_share if mean_share > 0.0 else 0.0
+        return min(rho, self.busy.max_utilization)
+
+    def share_utilization(self, worker_id: WorkerId, now: float) -> float:
+        """``share``'s numerator before smoothing: the worker's recent attention-weighted
+        prefill work (uncapped), or ``utilization`` when that weighting is off."""
+        if self.busy_work is None:
+            return 0.0 if self.busy is None else self.busy.utilization(worker_id, now)
+        return self.busy_work.worker_to_scaled.get(worker_id, 0.0) * self.busy_work.scale(now)
+
+    def mean_share_utilization(self, ctx: PickContext) -> float:
+        """``share``'s denominator before smoothing: the candidates' mean of
+        ``share_utilization`` (``mean_utilization`` when the weighting is off)."""
+        if self.busy_work is None:
+            return self.mean_utilization(ctx)
+        return self.busy_work.mean_utilization((w.worker_id for w in ctx.candidates), ctx.now)
 
     def mean_utilization(self, ctx: PickContext) -> float:
         """``mean_rho`` over the candidates as the score reads it (0 when off)."""
@@ -196,12 +247,12 @@ class CacheAwarePolicy(BasePolicy):
         """Scores (seconds) per candidate, in candidate order.
 
         Equal, bit for bit, to ``cost_model.expected_ttft(rates, load, uncached,
-        added_work_weight, rho, mean_rho)`` per candidate (a
-        test checks it). NOTE: that formula is inlined here (same operations, same
-        order) because the calls cost more than the arithmetic: this loop runs once
-        per worker per request. The index shares one ``Overlap`` among workers with
-        the same run, so the uncached work is computed once per distinct (overlap,
-        block size), not once per worker.
+        added_work_weight, rho, mean_rho, now, recompute_tokens, recompute_factor, share,
+        mean_share)`` per candidate (a test checks it). NOTE: that formula is inlined
+        here (same operations, same order) because the calls cost more than the
+        arithmetic: this loop runs once per worker per request. The index shares one
+        ``Overlap`` among workers with the same run, so the uncached work is computed
+        once per distinct (overlap, block size), not once per worker.
         """
         num_prompt_tokens = len(ctx.request.prompt_token_ids)
         now = ctx.now
@@ -225,7 +276,18 @@ class CacheAwarePolicy(BasePolicy):
             mean_rho = sum(scaled_values) * busy_scale / len(scaled_values)
         else:
             scaled_values, mean_rho = [0.0] * len(ctx.candidates), 0.0
-        weight_per_share = self.added_work_weight / (mean_rho + eps)
+        # share's work: attention-weighted and uncapped (busy_work), else rho itself
+        busy_work = self.busy_work
+        if busy_work is not None:
+            work_scale = busy_work.scale(ctx.now)
+            worker_to_work = busy_work.worker_to_scaled
+            share_values = [
+                worker_to_work.get(w.worker_id, 0.0) * work_scale for w in ctx.candidates
+            ]
+            mean_share = sum(share_values) / len(share_values)
+        else:
+            share_values, mean_share = [], mean_rho
+        weight_per_share = self.added_work_weight / (mean_share + eps)
         recompute_rho = mean_rho
         if self.waiting_saturates:
             recompute_rho = saturated_utilization(mean_rho, self.waiting_signal(ctx))
@@ -270,17 +332,23 @@ class CacheAwarePolicy(BasePolicy):
         scores: list[float] = []
         append = scores.append
         token_scale, running_scale = TOKEN_SCALE, RUNNING_SCALE
-        for worker, scaled, uncached in zip(
-            ctx.candidates, scaled_values, uncached_values, strict=True
+        for position, (worker, scaled, uncached) in enumerate(
+            zip(ctx.candidates, scaled_values, uncached_values, strict=True)
         ):
             if worker_to_rates:  # some worker reads its own rates
                 rates = worker_to_rates.get(worker.worker_id) or shared_rates
                 theta_0, theta_1, theta_2 = rates.theta
                 per_token, per_running = theta_1 / token_scale, theta_2 / running_scale
-            rho = scaled * busy_scale
+            if share_values:  # rho: the fleet's mean, spread by attention-weighted work
+                share = share_values[position]
+                rho = mean_rho * share / mean_share if mean_share > 0.0 else 0.0
+            else:
+                rho = scaled * busy_scale
             if rho > max_rho:
                 rho = max_rho
-            factor = 1.0 + weight_per_share * (rho + eps) / (1.0 - rho)
+            if not share_values:
+                share = rho
+            factor = 1.0 + weight_per_share * (share + eps) / (1.0 - rho)
             load = worker.load
             work: float = load.prefill_tokens_queued + load.inflight_prefill_tokens
             head = load.prefill_head_tokens
@@ -317,6 +385,7 @@ def _create(params: Mapping[str, ParamValue]) -> CacheAwarePolicy:
         waiting_saturates=bool(params["waiting_saturates"]),
         waiting_over=str(params["waiting_over"]),
         waiting_smoothing_s=float(params["waiting_smoothing_s"]),
+        attention_context_tokens=float(params["attention_context_tokens"]),
     )
 
 
@@ -340,6 +409,14 @@ SPEC = PolicySpec(
             60.0,
             "window (s) of each worker's recent utilisation, which scales the added-work "
             "weight by 1 / (1 - utilisation); 0 turns it off",
+        ),
+        ParamSpec(
+            "attention_context_tokens",
+            float,
+            32768.0,
+            "the added-work term's share weighs a prefill of u new tokens over c cached "
+            "ones as u x (1 + (c + u/2) / this), attention's cost: the model's parameters / "
+            "(2 x layers x hidden), 30.6K for Llama-3.1-8B (0: tokens alone)",
         ),
         ParamSpec(
             "recompute_weight",
