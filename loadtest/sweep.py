@@ -204,6 +204,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router-arg", action="append", default=[])
     parser.add_argument("--request-timeout-s", type=float, default=120.0)
     parser.add_argument("--out", type=Path, default=Path("kvroute-sweep"))
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="keep the router's and workers' logs here (one request line each: worker, "
+        "prompt and cached tokens; default: a temporary folder, removed)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
 
@@ -226,6 +233,7 @@ def fleet_config_of(args: argparse.Namespace) -> FleetConfig:
         startup_timeout_s=120.0,
         gpu_profiles=list(args.gpu_profiles),
         workers_without_events=args.workers_without_events,
+        log_dir=args.log_dir,
     )
 
 

@@ -135,3 +135,18 @@ def test_gpu_profiles_cycle_over_the_workers_and_unknown_ones_are_refused() -> N
     assert profiles == ["a100-llama3.1-8b", "h100-llama3.1-8b", "a100-llama3.1-8b"]
     with pytest.raises(SystemExit):
         parser.parse_args(["--gpu-profiles", "h100-llama3.1-8b,tpu-v9"])
+
+
+def test_log_dir_keeps_the_fleets_logs(tmp_path: Path) -> None:
+    """``--log-dir`` is the fleet's log folder and outlives it; without it the fleet's
+    temporary folder is removed on stop."""
+    parser = argparse.ArgumentParser()
+    sweep.configure(parser)
+    kept = tmp_path / "logs"
+    with Fleet(sweep.fleet_config_of(parser.parse_args(["--log-dir", str(kept)]))) as fleet:
+        assert fleet.log_dir == kept
+    assert kept.is_dir()
+    with Fleet(sweep.fleet_config_of(parser.parse_args([]))) as fleet:
+        temporary = fleet.log_dir
+        assert temporary.is_dir()
+    assert not temporary.exists()
