@@ -234,6 +234,9 @@ WORDS = ["cache", "router", "prefix", "block", "worker", "token", "tier", "load"
 INSTRUCTION = "Answer the question from the document below. Quote it where you can.\n\n"
 CACHE_MODES = ("off", "on")
 DOCUMENT_WORKERS = 4  # workers holding a document's blocks (per prompt shape)
+# the mixed case: documents and Zipf exponent of the long-context sweep's rag workload
+MIX_DOCUMENTS = 6
+MIX_ZIPF_S = 0.8
 
 # (tokenizer, cache scope or None, iteration) -> prompt token ids
 TokenizeCase = Callable[[ModelTokenizer, CacheScope | None, int], list[int]]
@@ -241,12 +244,15 @@ TokenizeCase = Callable[[ModelTokenizer, CacheScope | None, int], list[int]]
 
 def long_context_cases(
     tokenizer: ModelTokenizer, prompt_tokens: int, iterations: int
-) -> dict[str, TokenizeCase]:
+) -> dict[str, tuple[TokenizeCase, tuple[int, ...]]]:
     """The long-context workload's requests, each about ``prompt_tokens`` tokens (the tiny
     tokenizer is byte-level: one token per ASCII character); iteration i asks question i.
     The document is lines of 12 words in paragraphs of 8 lines, as prose and code come;
     one case repeats it without any line break, one sends a new document (its lines
-    shuffled) each time."""
+    shuffled) each time, and one asks about ``MIX_DOCUMENTS`` documents picked by Zipf
+    popularity as the ``rag`` workload does (each document's first request is a new
+    document). Per case: the request of iteration i, and the iterations whose prompts
+    the index holds (on ``DOCUMENT_WORKERS`` workers each)."""
     rng = random.Random(11)
     words = [rng.choice(WORDS) for _ in range(prompt_tokens // 5 + 1)]
     lines = [" ".join(words[k : k + 12]) for k in range(0, len(words), 12)]
@@ -283,12 +289,27 @@ def long_context_cases(
     def new_document(tok: ModelTokenizer, scope: CacheScope | None, i: int) -> list[int]:
         return tok.completion_token_ids(INSTRUCTION + new_documents[i], cache_scope=scope)
 
+    mix_documents = [
+        "\n".join(random.Random(10**6 + k).sample(doc_lines, len(doc_lines)))
+        for k in range(MIX_DOCUMENTS)
+    ]
+    popularity = [1.0 / (rank + 1) ** MIX_ZIPF_S for rank in range(MIX_DOCUMENTS)]
+    mix_choice = [0] + [
+        random.Random(i).choices(range(MIX_DOCUMENTS), popularity)[0]
+        for i in range(1, iterations + 1)
+    ]
+
+    def mix(tok: ModelTokenizer, scope: CacheScope | None, i: int) -> list[int]:
+        return tok.chat_token_ids(chat_messages(mix_documents[mix_choice[i]], i), cache_scope=scope)
+
+    firsts = tuple(mix_choice.index(k) for k in range(MIX_DOCUMENTS) if k in mix_choice)
     return {
-        "chat, document in its own message, new question": chat,
-        "completion, same long prompt again": same_completion,
-        "completion, document + new question in one text": one_text,
-        "same, the document without line breaks": one_line,
-        "completion, a new document each time": new_document,
+        "chat, document in its own message, new question": (chat, (0,)),
+        "completion, same long prompt again": (same_completion, (0,)),
+        "completion, document + new question in one text": (one_text, (0,)),
+        "same, the document without line breaks": (one_line, (0,)),
+        "completion, a new document each time": (new_document, (0,)),
+        f"chat, {MIX_DOCUMENTS} Zipf-popular documents (rag), new question": (mix, firsts),
     }
 
 
@@ -352,12 +373,14 @@ def bench_tokenize_decide(
     assert tokenizers["on"].segment_caching
     cases = long_context_cases(tokenizers["off"], prompt_tokens, n)
     samples: dict[str, dict[str, list[float]]] = {}
-    for c, (name, case) in enumerate(cases.items()):
-        document_ids = case(tokenizers["off"], None, 0)
+    for c, (name, (case, indexed)) in enumerate(cases.items()):
         holders = [
             workers[(c * DOCUMENT_WORKERS + k) % len(workers)] for k in range(DOCUMENT_WORKERS)
         ]
-        store_document(index, holders, document_ids, first_hash=10**12 * (c + 1))
+        for d, iteration in enumerate(indexed):
+            document_ids = case(tokenizers["off"], None, iteration)
+            first_hash = 10**12 * (c + 1) + 10**9 * d
+            store_document(index, holders, document_ids, first_hash=first_hash)
         runners = {
             mode: decide_runner(index, workers, tokenizers[mode], scopes[mode], case)
             for mode in CACHE_MODES
