@@ -6,6 +6,10 @@
   error, not with aiohttp's plain text; the connection then closes.
 - A request body that does not decode, left unread by its handler, is a client's
   fault: aiohttp's traceback for it becomes one debug line.
+- A request body whose decoding fails only at its end (``deflate`` data cut short),
+  fed after its request was dispatched, fails that request's body read (400) at once.
+  aiohttp's parser turns the error into a new message instead and leaves the
+  dispatched request's body open, so its handler waited for the body deadline.
 - A client must send a request's head within ``head_timeout_s`` of connecting or of the
   end of its previous answer; a half-sent head is closed then. This is aiohttp's
   ``keepalive_timeout``: since aiohttp 3.14.5 (the floor in pyproject.toml) it runs
@@ -26,7 +30,7 @@ import logging
 from typing import Any
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_protocol import RequestHandler, _ErrInfo
 
 from router.errors import protocol_error_response
 
@@ -37,6 +41,19 @@ class _JsonErrorRequestHandler(RequestHandler):
     """aiohttp's protocol, answering its own errors in OpenAI JSON."""
 
     __slots__ = ()
+
+    def data_received(self, data: bytes) -> None:
+        """aiohttp's, then: a parser error in this data while a dispatched request's
+        body is still open is that body's error (module docstring)."""
+        num_before = len(self._messages)
+        super().data_received(data)
+        request = self._current_request
+        if request is None or request.content.at_eof() or len(self._messages) <= num_before:
+            return
+        for message, _ in list(self._messages)[num_before:]:
+            if isinstance(message, _ErrInfo):
+                request.content.set_exception(web.RequestPayloadError(message.message))
+                return
 
     def handle_error(
         self,

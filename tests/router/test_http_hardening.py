@@ -143,6 +143,32 @@ def test_requests_the_http_parser_refuses_get_openai_json(
     run(main())
 
 
+def test_a_body_that_fails_to_decode_at_its_end_gets_400_at_once() -> None:
+    """``deflate`` data that only fails when the stream ends (``[]``), arriving after the
+    request was dispatched: aiohttp's parser turns the error into a new message and never
+    ends the dispatched request's body; the handler would wait for the body deadline.
+    ``Expect: 100-continue`` orders it: the body goes once the router asked for it."""
+
+    async def main() -> None:
+        async with _router(request_body_timeout_s=30.0) as url:
+            reader, writer = await _connect(url)
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\n"
+                b"Content-Type: application/json\r\nContent-Encoding: deflate\r\n"
+                b"Expect: 100-continue\r\nContent-Length: 2\r\n\r\n"
+            )
+            await writer.drain()
+            async with asyncio.timeout(5.0):
+                assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 100")
+            writer.write(b"[]")
+            await writer.drain()
+            error = _json_error(await _read_response(reader, 5.0), 400)
+            assert error["code"] == "bad_request_body"
+            writer.close()
+
+    run(main())
+
+
 @pytest.mark.parametrize(
     ("headers", "body"),
     [
