@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 
@@ -352,34 +353,51 @@ def test_prefix_chain_cache_gives_the_full_hashes_of_every_prompt() -> None:
             finish(sched, decision)
 
 
-def _light_load_imbalance(busy_window_s: float, seed: int, rate_sharing: str = "auto") -> float:
-    """Requests one at a time (every queue empty at pick), heavy-tailed sizes, all sharing
-    the first block, on 8 equally fast workers whose rates are learned from the TTFTs:
-    max / mean over workers of the prefill tokens routed there."""
+def _heavy_tail_imbalance(
+    policy: CacheAwarePolicy,
+    seed: int,
+    *,
+    num_requests: int,
+    rate: float,
+    max_tokens: int,
+    prefill_seconds: Callable[[int], float],
+) -> float:
+    """Requests one at a time at ``rate`` per second, heavy-tailed sizes, all sharing the
+    first block, on 8 equally fast workers whose rates are learned from the TTFTs (10 ms
+    + ``prefill_seconds`` of the uncached tokens): max / mean over workers of the prefill
+    seconds routed there."""
     index, workers = make_fleet(8)
     first_block = tokens(9, BLOCK)
     for worker in workers:
         store(index, worker.worker_id, first_block)
     clock = [0.0]
-    # prefill here costs the same per token at any length: no attention weighting
-    policy = CacheAwarePolicy(
-        busy_window_s=busy_window_s, rate_sharing=rate_sharing, attention_context_tokens=0.0
-    )
     sched = Scheduler(index, policy, rng=random.Random(seed), clock=lambda: clock[0])
     rng = random.Random(seed)
-    worker_to_work: Counter[str] = Counter()
-    for i in range(300):
-        clock[0] += rng.expovariate(12.0)  # ~0.25 utilisation per worker
-        num_tokens = min(int(rng.paretovariate(1.3) * 1600), 64_000)  # a few very long
+    worker_to_seconds: Counter[str] = Counter()
+    for i in range(num_requests):
+        clock[0] += rng.expovariate(rate)
+        num_tokens = min(int(rng.paretovariate(1.3) * 1600), max_tokens)  # a few very long
         unique = range(1_000_000 * (i + 1), 1_000_000 * (i + 1) + num_tokens)
         decision = sched.pick(request([*first_block, *unique]), workers)
         assert decision is not None
-        worker_to_work[decision.worker_id] += decision.inflight_prefill_tokens
-        # every worker is equally fast: 10 ms + 50 us per prefill token
-        sched.on_first_token(decision, 0.01 + 5e-5 * decision.inflight_prefill_tokens)
+        seconds = prefill_seconds(decision.inflight_prefill_tokens)
+        worker_to_seconds[decision.worker_id] += seconds
+        sched.on_first_token(decision, 0.01 + seconds)
         sched.on_finish(decision, num_cached_tokens=None, ok=True)
-    work = [worker_to_work[w.worker_id] for w in workers]
-    return max(work) / (sum(work) / len(work))
+    seconds_per_worker = [worker_to_seconds[w.worker_id] for w in workers]
+    return max(seconds_per_worker) / (sum(seconds_per_worker) / len(seconds_per_worker))
+
+
+def _light_load_imbalance(busy_window_s: float, seed: int, rate_sharing: str = "auto") -> float:
+    """~0.25 utilisation per worker, prefill linear in tokens (50 us each), so the
+    attention weighting is off: max / mean over workers of the prefill tokens."""
+    policy = CacheAwarePolicy(
+        busy_window_s=busy_window_s, rate_sharing=rate_sharing, attention_context_tokens=0.0
+    )
+    return _heavy_tail_imbalance(
+        policy, seed, num_requests=300, rate=12.0, max_tokens=64_000,
+        prefill_seconds=lambda uncached: 5e-5 * uncached,
+    )  # fmt: skip
 
 
 def test_busy_term_and_shared_rates_balance_new_work_at_light_load() -> None:
@@ -396,31 +414,13 @@ def test_busy_term_and_shared_rates_balance_new_work_at_light_load() -> None:
 
 
 def _gpu_work_imbalance(attention_context_tokens: float, seed: int) -> float:
-    """Like ``_light_load_imbalance`` at ~0.5 utilisation, but prefill time grows with
-    attention (``attention_weighted_tokens`` at 32K, as the simulator's Llama-3.1-8B):
-    max / mean over workers of the prefill seconds routed there."""
-    index, workers = make_fleet(8)
-    first_block = tokens(9, BLOCK)
-    for worker in workers:
-        store(index, worker.worker_id, first_block)
-    clock = [0.0]
-    policy = CacheAwarePolicy(attention_context_tokens=attention_context_tokens)
-    sched = Scheduler(index, policy, rng=random.Random(seed), clock=lambda: clock[0])
-    rng = random.Random(seed)
-    worker_to_seconds: Counter[str] = Counter()
-    for i in range(400):
-        clock[0] += rng.expovariate(4.0)
-        num_tokens = min(int(rng.paretovariate(1.3) * 1600), 96_000)  # a few very long
-        unique = range(1_000_000 * (i + 1), 1_000_000 * (i + 1) + num_tokens)
-        decision = sched.pick(request([*first_block, *unique]), workers)
-        assert decision is not None
-        uncached = decision.inflight_prefill_tokens
-        seconds = 5e-5 * attention_weighted_tokens(uncached, BLOCK, 32768.0)
-        worker_to_seconds[decision.worker_id] += seconds
-        sched.on_first_token(decision, 0.01 + seconds)
-        sched.on_finish(decision, num_cached_tokens=None, ok=True)
-    seconds = [worker_to_seconds[w.worker_id] for w in workers]
-    return max(seconds) / (sum(seconds) / len(seconds))
+    """~0.5 utilisation, prefill time growing with attention (``attention_weighted_tokens``
+    at 32K, as the simulator's Llama-3.1-8B): max / mean of the prefill seconds."""
+    return _heavy_tail_imbalance(
+        CacheAwarePolicy(attention_context_tokens=attention_context_tokens),
+        seed, num_requests=400, rate=4.0, max_tokens=96_000,
+        prefill_seconds=lambda uncached: 5e-5 * attention_weighted_tokens(uncached, BLOCK, 32768.0),
+    )  # fmt: skip
 
 
 def test_attention_weighted_share_balances_gpu_time_not_tokens() -> None:
