@@ -21,7 +21,8 @@ per worker (``rates.py``); ``added_work_weight`` is cache_aware's parameter (0.5
 ``mean_rho`` the fleet's mean (``utilization.py``; both 0 when the term is off, which
 makes the factor 1); ``work(w)`` is the same with each prefill weighed for attention
 (``attention_weighted_tokens``) and ``mean_work`` its mean, so the share balances GPU
-time rather than tokens. Elsewhere prefill cost is linear in tokens: weighing recomputed
+time rather than tokens (cache_aware then also reads ``rho(w)`` as ``mean_rho x
+work(w) / mean_work``). Elsewhere prefill cost is linear in tokens: weighing recomputed
 tokens for attention's cost in the TTFT and the learned rates too was tried
 (BENCHMARKS.md, "In-flight prefixes and re-prefills") and lowered hits and raised TTFT
 p90.
