@@ -170,6 +170,7 @@ class WorkerRegistry:
         for name, value in fields.items():
             setattr(load, name, type(getattr(load, name))(value))
         load.updated_at = time.monotonic()
+        load.engine_reported()
 
     def note_alive(self, worker_id: WorkerId) -> None:
         """A request made progress there (bytes arrived): the worker is alive."""

@@ -3,7 +3,7 @@
     uncached(w) = prompt_tokens - hit_tokens(w)
                 + block_size * (cpu_cost * num_cpu + disk_cost * num_disk
                                 + predicted_cost * num_predicted)
-    queued(w)   = load.prefill_tokens_queued + load.inflight_prefill_tokens - progress(w)
+    queued(w)   = load.inflight_prefill_tokens - progress(w) + load.other_prefill_tokens
     progress(w) = min(load.prefill_head_tokens,
                       (now - load.prefill_head_since) / s_prefill(w))
     running(w)  = max(load.num_running, load.num_inflight)
@@ -48,10 +48,15 @@ GPU blocks cost nothing; CPU / disk blocks cost a fraction of a prefill token pe
 (the load from the offload tier); predicted blocks (routed there moments ago, not yet
 confirmed by events) cost a small fraction for the risk they are not there.
 
-NOTE: ``queued`` adds the engine's report and this router's in-flight prefill tokens.
-The engine's report lags (it comes every load-report interval) while the router's own
-count is exact but blind to other routers; adding them over-counts our own requests
-only until the next report, and errs on the side of spreading load.
+NOTE: ``queued`` is this router's own in-flight prefill (exact for its requests, at once)
+plus what the engine's last report held beyond it (``WorkerLoad.engine_reported``: other
+routers' requests, stale by up to a load-report interval). The engine's report counts
+this router's requests too, so adding the whole report (as this model once did) counted
+each of them twice for as long as it waited, not just until the next report. At 5x the
+Mooncake trace's rate that doubled the queue feature the rates are learned on, by an
+amount that differed per worker: a replica learned a rate 2.7x below the fleet's, was
+scored with it as "measurably different" (``rates.py``) and drew a third of the requests
+while the others idled (BENCHMARKS.md, "Past 4x").
 NOTE: ``recompute`` prices the re-prefills a move causes. The added-work term charges
 every uncached token alike, but tokens no candidate holds must be computed somewhere,
 while tokens another candidate holds are pure waste here: GPU time the fleet loses and
@@ -156,8 +161,9 @@ def prefill_progress_tokens(
 
 
 def queued_prefill_tokens(load: WorkerLoad, progress_tokens: float = 0.0) -> float:
-    """Prefill work ahead of a new request on this worker (see module NOTE)."""
-    return load.prefill_tokens_queued + load.inflight_prefill_tokens - progress_tokens
+    """Prefill work ahead of a new request on this worker: this router's in flight, less
+    ``progress_tokens``, and the other work the engine last reported (module NOTE)."""
+    return load.inflight_prefill_tokens - progress_tokens + load.other_prefill_tokens
 
 
 def decode_batch(load: WorkerLoad) -> int:
@@ -246,9 +252,9 @@ def expected_ttft(
         0.0 if now is None else prefill_progress_tokens(load, now, rates.seconds_per_prefill_token)
     )
     work = (
-        load.prefill_tokens_queued
-        + load.inflight_prefill_tokens
+        load.inflight_prefill_tokens
         - progress
+        + load.other_prefill_tokens
         + uncached_tokens
         * added_work_factor(
             added_work_weight,

@@ -41,6 +41,21 @@ class WorkerLoad:
     # router-side: pick number -> uncached tokens of each in-flight prefill, oldest first
     pending_prefills: dict[int, int] = field(default_factory=dict, repr=False)
     updated_at: float = 0.0  # monotonic time of the last engine report
+    # router-side, set at each engine report: what the engine reported to prefill beyond
+    # this router's in-flight prefill then (other routers' requests; see ``engine_reported``)
+    other_prefill_tokens: int = 0
+
+    def engine_reported(self) -> None:
+        """An engine report was applied: keep the part of its queue that is not this
+        router's (``prefill_tokens_queued`` less ``inflight_prefill_tokens``, at least 0).
+
+        NOTE: the engine counts this router's requests it holds, so the two cannot be
+        added (see ``cost_model``'s NOTE on ``queued``). The difference also holds what the
+        engine over-counts (a waiting prompt's cache hits are unknown to it) and what
+        finished since the report; it is refreshed at every report.
+        """
+        other = self.prefill_tokens_queued - self.inflight_prefill_tokens
+        self.other_prefill_tokens = other if other > 0 else 0
 
 
 @dataclass(slots=True)

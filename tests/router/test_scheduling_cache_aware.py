@@ -17,6 +17,7 @@ from router.scheduling.cost_model import (
     effective_uncached_tokens,
     expected_ttft,
     hit_tokens,
+    queued_prefill_tokens,
     recompute_factor,
 )
 from router.scheduling.policies.cache_aware import CacheAwarePolicy
@@ -44,6 +45,7 @@ def queued_history(seed: int) -> tuple[PrefixIndex, list[WorkerView], list[int]]
     history = tokens(seed, 62 * BLOCK)
     store(index, "w0", history[: 60 * BLOCK])
     workers[0].load.prefill_tokens_queued = 5000
+    workers[0].load.engine_reported()
     return index, workers, history
 
 
@@ -66,6 +68,7 @@ def test_spreads_when_the_cached_worker_is_overloaded() -> None:
     prompt = tokens(2, 20 * BLOCK)
     store(index, "w0", prompt)
     workers[0].load.prefill_tokens_queued = 50 * BLOCK  # far more than the prompt
+    workers[0].load.engine_reported()
     workers[0].load.num_running = 8
     sched = scheduler(index, "cache_aware")
     decision = sched.pick(request(prompt), workers)
@@ -239,6 +242,7 @@ def test_inlined_scores_equal_the_cost_model_bit_for_bit(rate_sharing: str) -> N
         load = worker.load
         load.num_running, load.num_inflight = rng.randrange(0, 9), rng.randrange(0, 9)
         load.prefill_tokens_queued = rng.randrange(0, 5000)
+        load.engine_reported()  # all of it other routers' work: nothing in flight yet
         load.inflight_prefill_tokens = rng.randrange(0, 700)
         if rng.random() < 0.7:  # an oldest in-flight prefill, partly or wholly computed
             load.prefill_head_tokens = rng.randrange(1, load.inflight_prefill_tokens + 2)
@@ -604,3 +608,26 @@ def test_a_worker_without_events_keeps_its_routing_history_as_predictions() -> N
     assert silent_overlap["w0"].num_predicted == 8
     assert index.lookup(hash_prompt(NS, other_prompt), later) == {}
     assert index.lookup(hash_prompt(NS, silent_prompt), 301.0) == {}
+
+
+def test_an_engine_report_of_this_routers_requests_is_not_counted_twice() -> None:
+    """The engine's queue holds this router's requests: the queue ahead is what this
+    router has in flight plus what the report holds beyond it (other routers'), not the
+    sum. Counting them twice doubled the rate learner's queue feature at 5x."""
+    index, workers = make_fleet(2)
+    sched = scheduler(index, "cache_aware")
+    decision = sched.pick(request(tokens(1, 40 * BLOCK)), workers)
+    assert decision is not None and decision.load is not None
+    load = decision.load
+    assert queued_prefill_tokens(load) == 40 * BLOCK  # no report yet: our own
+    load.prefill_tokens_queued = 40 * BLOCK
+    load.engine_reported()  # the engine holds it now
+    assert queued_prefill_tokens(load) == 40 * BLOCK
+    load.prefill_tokens_queued = 40 * BLOCK + 5000
+    load.engine_reported()  # and another router's 5000 tokens
+    assert queued_prefill_tokens(load) == 40 * BLOCK + 5000
+    finish(sched, decision)
+    assert queued_prefill_tokens(load) == 5000  # the other router's, until the next report
+    load.prefill_tokens_queued = 0
+    load.engine_reported()
+    assert queued_prefill_tokens(load) == 0

@@ -258,6 +258,7 @@ def test_least_load_prefers_fewest_requests_then_fewest_queued_tokens() -> None:
     workers[0].load.num_running, workers[1].load.num_running = 3, 1
     workers[2].load.num_waiting = 1
     workers[1].load.prefill_tokens_queued = 500
+    workers[1].load.engine_reported()
     sched = scheduler(index, "least_load")
     decision = sched.pick(request(tokens(0, 20)), workers)
     assert decision is not None and decision.worker_id == "w2"

@@ -71,6 +71,7 @@ def test_decisions_are_eligible_and_load_returns_to_zero(
         worker.max_concurrency = state["cap"]  # type: ignore[assignment]
         worker.load.num_running = int(state["running"])  # type: ignore[call-overload]
         worker.load.prefill_tokens_queued = int(state["queued"])  # type: ignore[call-overload]
+        worker.load.engine_reported()
         store(index, worker.worker_id, shared[: int(state["stored_blocks"]) * BLOCK])  # type: ignore[call-overload]
     sched = scheduler(index, policy, seed=seed)
     rng = random.Random(seed)

@@ -350,11 +350,12 @@ class CacheAwarePolicy(BasePolicy):
                 share = rho
             factor = 1.0 + weight_per_share * (share + eps) / (1.0 - rho)
             load = worker.load
-            work: float = load.prefill_tokens_queued + load.inflight_prefill_tokens
+            work: float = load.inflight_prefill_tokens
             head = load.prefill_head_tokens
             if head > 0 and per_token > 0:  # cost_model.prefill_progress_tokens, inlined
                 done = (now - load.prefill_head_since) / per_token
                 work = work - (head if done >= head else max(0.0, done))
+            work = work + load.other_prefill_tokens
             work = work + uncached * factor + (uncached - least_uncached) * recompute
             running = load.num_running
             num_inflight = load.num_inflight
