@@ -160,11 +160,30 @@ class RateLearner:
         return self._distinct
 
     def observe(
-        self, worker_id: WorkerId, *, prefill_tokens: float, num_running: float, ttft_s: float
-    ) -> None:
-        """One RLS update with an observed TTFT; ignores non-finite or negative values."""
+        self,
+        worker_id: WorkerId,
+        *,
+        prefill_tokens: float,
+        num_running: float,
+        ttft_s: float,
+        queued_tokens: float = 0.0,
+    ) -> bool:
+        """One RLS update with an observed TTFT; False (nothing learnt) for non-finite or
+        negative values, or when ``queued_tokens`` (the part of ``prefill_tokens`` queued
+        ahead of the request) is more than the rest (its own prefill).
+
+        NOTE: a TTFT behind a long queue measures the queue more than the GPU: the engine
+        interleaves prefills (a short prompt's chunk is scheduled beside a long one's),
+        and the queue estimate is stale or blind to other routers. At 5x the Mooncake
+        trace's rate such observations drove identical replicas' learned prefill rates
+        apart by up to 200x (one clamped at the floor), and a replica scored with a near-
+        zero rate drew most requests; learning only where the request's own prefill is at
+        least half the work kept them together (BENCHMARKS.md, "Past 4x").
+        """
         if not (0.0 <= ttft_s < 3600.0) or prefill_tokens < 0 or num_running < 0:
-            return
+            return False
+        if queued_tokens > prefill_tokens - queued_tokens:
+            return False
         rates = self.worker_to_rates.get(worker_id)
         if rates is None:
             rates = self.worker_to_rates[worker_id] = self._fresh()
@@ -193,6 +212,7 @@ class RateLearner:
         if self._num_observations % _FLEET_REFRESH_EVERY == 0:
             self._prior_rates = None
             self._distinct = None
+        return True
 
     def forget_worker(self, worker_id: WorkerId) -> None:
         self.worker_to_rates.pop(worker_id, None)

@@ -161,6 +161,7 @@ class Scheduler:
             + decision.inflight_prefill_tokens,
             num_running=decision.num_running_at_pick,
             ttft_s=ttft_s,
+            queued_tokens=decision.queued_prefill_tokens_at_pick,
         )
 
     def on_finish(self, decision: Decision, *, num_cached_tokens: int | None, ok: bool) -> bool:

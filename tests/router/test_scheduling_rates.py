@@ -170,6 +170,68 @@ def test_only_measurably_different_workers_keep_their_own_rates(
     assert learner.distinct_worker_rates() == {}
 
 
+def test_ttfts_behind_a_long_queue_teach_no_rates() -> None:
+    """A TTFT behind a queue longer than the request's own prefill is not learnt from.
+    The engine interleaves prefills, so a short prompt behind a long queue comes back
+    sooner than the queue's tokens say: learnt from, such TTFTs drag a replica's prefill
+    rate far below the fleet's (overload at 5x the Mooncake rate), and it is then scored
+    as a much faster worker and drowned."""
+    per_token = 5e-5
+    rng = random.Random(4)
+
+    def fleet(queued_ahead: bool) -> RateLearner:
+        learner = RateLearner()
+        for _ in range(100):
+            for i in range(6):
+                own = rng.randrange(500, 20_000)
+                ttft = (0.01 + per_token * own) * rng.uniform(0.9, 1.1)
+                learner.observe(WorkerId(f"w{i}"), prefill_tokens=own, num_running=0, ttft_s=ttft)
+            # w0's requests wait behind 100K queued tokens, of which the engine
+            # interleaved all but a tenth with them
+            own = rng.randrange(500, 5_000)
+            ttft = 0.01 + per_token * (own + 10_000)
+            learnt = learner.observe(
+                WorkerId("w0"),
+                prefill_tokens=100_000 + own,
+                num_running=0,
+                ttft_s=ttft,
+                queued_tokens=100_000 if queued_ahead else 0,
+            )
+            assert learnt is not queued_ahead
+        learner.observe(W, prefill_tokens=1, num_running=0, ttft_s=0.01)
+        for _ in range(_until_refresh(learner)):
+            learner.observe(W, prefill_tokens=1000, num_running=0, ttft_s=0.01 + per_token * 1000)
+        return learner
+
+    told_the_queue = fleet(queued_ahead=True)
+    assert told_the_queue.distinct_worker_rates() == {}
+    learnt = told_the_queue.rates_of(WorkerId("w0")).seconds_per_prefill_token
+    assert learnt == pytest.approx(per_token, rel=0.15)
+    # the same TTFTs taken as the request's own prefill: w0 looks 2x+ faster than it is
+    fooled = fleet(queued_ahead=False)
+    assert set(fooled.distinct_worker_rates()) == {WorkerId("w0")}
+
+
+def test_the_scheduler_learns_only_where_the_request_is_most_of_the_work() -> None:
+    index, workers = make_fleet(1)
+    sched = scheduler(index, "cache_aware")
+    load = workers[0].load
+    load.prefill_tokens_queued = 100 * BLOCK  # another router's queue
+    load.engine_reported()
+    behind = sched.pick(request(tokens(1, 20 * BLOCK)), workers)
+    assert behind is not None
+    sched.on_first_token(behind, 0.5)
+    finish(sched, behind)
+    assert sched.rates.num_observations == 0
+    load.prefill_tokens_queued = 0
+    load.engine_reported()
+    alone = sched.pick(request(tokens(2, 20 * BLOCK)), workers)
+    assert alone is not None
+    sched.on_first_token(alone, 0.5)
+    finish(sched, alone)
+    assert sched.rates.num_observations == 1
+
+
 def _until_refresh(learner: RateLearner) -> int:
     """Observations left before the learner recomputes its fleet statistics."""
     return (-learner.num_observations) % FLEET_REFRESH_EVERY
