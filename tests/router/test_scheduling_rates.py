@@ -213,23 +213,19 @@ def test_ttfts_behind_a_long_queue_teach_no_rates() -> None:
 
 
 def test_the_scheduler_learns_only_where_the_request_is_most_of_the_work() -> None:
+    """Behind another router's queue of 100 blocks a 20-block request teaches nothing;
+    alone on the worker it does."""
     index, workers = make_fleet(1)
     sched = scheduler(index, "cache_aware")
     load = workers[0].load
-    load.prefill_tokens_queued = 100 * BLOCK  # another router's queue
-    load.engine_reported()
-    behind = sched.pick(request(tokens(1, 20 * BLOCK)), workers)
-    assert behind is not None
-    sched.on_first_token(behind, 0.5)
-    finish(sched, behind)
-    assert sched.rates.num_observations == 0
-    load.prefill_tokens_queued = 0
-    load.engine_reported()
-    alone = sched.pick(request(tokens(2, 20 * BLOCK)), workers)
-    assert alone is not None
-    sched.on_first_token(alone, 0.5)
-    finish(sched, alone)
-    assert sched.rates.num_observations == 1
+    for seed, queued_blocks, observations in ((1, 100, 0), (2, 0, 1)):
+        load.prefill_tokens_queued = queued_blocks * BLOCK  # another router's queue
+        load.engine_reported()
+        decision = sched.pick(request(tokens(seed, 20 * BLOCK)), workers)
+        assert decision is not None
+        sched.on_first_token(decision, 0.5)
+        finish(sched, decision)
+        assert sched.rates.num_observations == observations
 
 
 def _until_refresh(learner: RateLearner) -> int:
