@@ -631,3 +631,30 @@ def test_an_engine_report_of_this_routers_requests_is_not_counted_twice() -> Non
     load.prefill_tokens_queued = 0
     load.engine_reported()
     assert queued_prefill_tokens(load) == 0
+
+
+@pytest.mark.parametrize("cap", [0.5, 0.9])
+def test_utilization_is_read_at_most_at_the_max_utilization_parameter(cap: float) -> None:
+    """``max_utilization`` bounds ``rho``, hence how much one token of added work and one
+    recomputed token can weigh: ``1 + 0.5 x share / (1 - cap)`` and ``3 x cap / (1 -
+    cap)``."""
+    index, workers = make_fleet(2)
+    sched = scheduler(index, "cache_aware", max_utilization=cap)
+    policy = sched.policy
+    assert isinstance(policy, CacheAwarePolicy) and policy.busy is not None
+    assert policy.busy_work is not None
+    for busy in (policy.busy, policy.busy_work):
+        busy.add(workers[0].worker_id, 1000.0, now=0.0)  # far past saturation
+    ctx = PickContext(
+        request(tokens(1, 4 * BLOCK)), workers, index=index, rates=sched.rates,
+        rng=random.Random(0), now=1.0, resolve_namespace=sched.effective_namespace,
+    )  # fmt: skip
+    assert policy.utilization(ctx, workers[0].worker_id) == cap
+    assert recompute_factor(3.0, 0.99, policy.busy.max_utilization) == pytest.approx(
+        3.0 * cap / (1.0 - cap)
+    )
+
+
+def test_max_utilization_must_be_below_one() -> None:
+    with pytest.raises(ValueError, match="max_utilization"):
+        CacheAwarePolicy(max_utilization=1.0)

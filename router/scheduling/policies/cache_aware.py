@@ -33,6 +33,16 @@ re-prefills the move causes, which near saturation is rarely. With ``waiting_sat
 waiting in the engines (``waiting_signal``), so a fleet saturated by decode (which the
 prefill ``rho`` misses) keeps conversations and tenants' prompts home too.
 
+NOTE: ``rho`` is capped at ``max_utilization`` (0.9), so one token of added work weighs
+at most ``1 + 0.5 x share / 0.1`` and a recomputed one ``3 x 9`` more. The estimate
+(learned seconds x routed tokens over a minute) reads about 0.95 at 4x the Mooncake
+trace's rate, where the fleet serves ~90% of its peak: past 0.9 ``1 / (1 - rho)`` grows
+the estimate's error more than the signal, and every request went to the worker holding
+most of its prompt whatever its queue. With the cap at 0.95 a 4x run had TTFT p90 4.97 s
+and 0.96 of the ceiling's hits, at 0.9 3.48 s and 0.97 (BENCHMARKS.md, "Past 4x"). The
+cap used to read 0.95 unnoticed because replicas scored with spuriously low learned
+rates were charged less busy time (``rates.py``'s NOTE on queued TTFTs).
+
 NOTE: ``w`` is by default the candidates' mean waiting only while every candidate has
 requests waiting (``waiting_over`` "gated_mean"), held up by its average over
 ``waiting_smoothing_s`` (2 s). The plain mean ("mean", the old behaviour) fired on the
@@ -112,6 +122,7 @@ class CacheAwarePolicy(BasePolicy):
         waiting_over: str = "gated_mean",
         waiting_smoothing_s: float = 2.0,
         attention_context_tokens: float = 32768.0,
+        max_utilization: float = 0.9,
     ) -> None:
         if temperature < 0:
             raise ValueError("temperature must be >= 0")
@@ -123,6 +134,8 @@ class CacheAwarePolicy(BasePolicy):
             raise ValueError("busy_window_s must be >= 0")
         if attention_context_tokens < 0:
             raise ValueError("attention_context_tokens must be >= 0")
+        if not 0.0 <= max_utilization < 1.0:
+            raise ValueError("max_utilization must be in [0, 1)")
         self.attention_context_tokens = attention_context_tokens
         self.recompute_weight = recompute_weight
         # the recompute term reads cost_model.saturated_utilization (off: the prefill rho)
@@ -143,10 +156,12 @@ class CacheAwarePolicy(BasePolicy):
             raise ValueError(f"rate_sharing must be one of {', '.join(RATE_SHARING)}")
         self.rate_sharing = rate_sharing
         # None: the busy term is off (rho = 0 for every worker)
-        self.busy = RecentUtilization(busy_window_s) if busy_window_s > 0 else None
+        self.busy = (
+            RecentUtilization(busy_window_s, max_utilization) if busy_window_s > 0 else None
+        )
         # ``share``'s work, attention-weighted (None: share reads ``busy``, in tokens)
         self.busy_work = (
-            RecentUtilization(busy_window_s)
+            RecentUtilization(busy_window_s, max_utilization)
             if busy_window_s > 0 and attention_context_tokens > 0
             else None
         )
@@ -387,6 +402,7 @@ def _create(params: Mapping[str, ParamValue]) -> CacheAwarePolicy:
         waiting_over=str(params["waiting_over"]),
         waiting_smoothing_s=float(params["waiting_smoothing_s"]),
         attention_context_tokens=float(params["attention_context_tokens"]),
+        max_utilization=float(params["max_utilization"]),
     )
 
 
@@ -410,6 +426,13 @@ SPEC = PolicySpec(
             60.0,
             "window (s) of each worker's recent utilisation, which scales the added-work "
             "weight by 1 / (1 - utilisation); 0 turns it off",
+        ),
+        ParamSpec(
+            "max_utilization",
+            float,
+            0.9,
+            "cap on the utilisation the busy and recompute terms read (1 / (1 - cap) is "
+            "the most one token of added work can weigh); in [0, 1)",
         ),
         ParamSpec(
             "attention_context_tokens",
