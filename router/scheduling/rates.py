@@ -175,10 +175,10 @@ class RateLearner:
         NOTE: a TTFT behind a long queue measures the queue more than the GPU: the engine
         interleaves prefills (a short prompt's chunk is scheduled beside a long one's),
         and the queue estimate is stale or blind to other routers. At 5x the Mooncake
-        trace's rate such observations drove identical replicas' learned prefill rates
-        apart by up to 200x (one clamped at the floor), and a replica scored with a near-
-        zero rate drew most requests; learning only where the request's own prefill is at
-        least half the work kept them together (BENCHMARKS.md, "Past 4x").
+        trace's rate such observations spread identical replicas' learned prefill rates
+        from 0.1 us/token (the clamp floor) to 169, and a replica scored with a rate far
+        below the fleet's drew most requests; learning only where the request's own
+        prefill is at least half the work kept them together (BENCHMARKS.md, "Past 4x").
         """
         if not (0.0 <= ttft_s < 3600.0) or prefill_tokens < 0 or num_running < 0:
             return False

@@ -37,11 +37,11 @@ NOTE: ``rho`` is capped at ``max_utilization`` (0.9), so one token of added work
 at most ``1 + 0.5 x share / 0.1`` and a recomputed one ``3 x 9`` more. The estimate
 (learned seconds x routed tokens over a minute) reads about 0.95 at 4x the Mooncake
 trace's rate, where the fleet serves ~90% of its peak: past 0.9 ``1 / (1 - rho)`` grows
-the estimate's error more than the signal, and every request went to the worker holding
-most of its prompt whatever its queue. With the cap at 0.95 a 4x run had TTFT p90 4.97 s
-and 0.96 of the ceiling's hits, at 0.9 3.48 s and 0.97 (BENCHMARKS.md, "Past 4x"). The
-cap used to read 0.95 unnoticed because replicas scored with spuriously low learned
-rates were charged less busy time (``rates.py``'s NOTE on queued TTFTs).
+the estimate's error more than the signal, and requests stayed with the worker holding
+most of their prompt unless its queue was very long. With the cap at 0.95 a 4x run had
+TTFT p90 4.97 s and 0.96 of the ceiling's hits, at 0.9 3.48 s and 0.97 (BENCHMARKS.md,
+"Past 4x"). The cap used to read 0.95 unnoticed because replicas scored with spuriously
+low learned rates were charged less busy time (``rates.py``'s NOTE on queued TTFTs).
 
 NOTE: ``w`` is by default the candidates' mean waiting only while every candidate has
 requests waiting (``waiting_over`` "gated_mean"), held up by its average over
