@@ -4,7 +4,8 @@ The fleet owns one ``WorkerView`` (and its ``WorkerLoad``) per worker; the sched
 reads views and is the only writer of the router-side load fields
 (``num_inflight``, ``inflight_prefill_tokens``). Engine-reported fields
 (``num_running``, ``num_waiting``, ``kv_usage``, ``prefill_tokens_queued``) are written
-by the fleet from agent load reports or ``/metrics``.
+by the fleet from agent load reports or ``/metrics``, which then calls
+``WorkerLoad.engine_reported`` to set ``other_prefill_tokens``.
 """
 
 from __future__ import annotations
