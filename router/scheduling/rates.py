@@ -78,13 +78,40 @@ class WorkerRates:
         )
 
 
-_MIN_OBSERVATIONS_FOR_FLEET = 16  # a worker's rates count in the fleet mean after this
-_FLEET_REFRESH_EVERY = 64  # observations between recomputations of the fleet mean
+_MIN_OBSERVATIONS_FOR_FLEET = 16  # a worker's rates count in the fleet's groups after this
+_FLEET_REFRESH_EVERY = 64  # observations between recomputations of the groups
 FLEET_REFRESH_EVERY = _FLEET_REFRESH_EVERY
-_MIN_OBSERVATIONS_DISTINCT = 64  # a worker may read its own rates after this many
-# ... if its prefill rate is this many times the fleet median, or that median this many
-# times its rate (see ``distinct_worker_rates``)
+_MIN_OBSERVATIONS_DISTINCT = 32  # a group other than the fleet's main one is read after
+# this many observations in all; groups split where the next faster worker's prefill
+# rate is more than this many times lower (see ``distinct_worker_rates``)
 _DISTINCT_FACTOR = 2.0
+
+
+def group_by_rate(
+    learned: list[tuple[WorkerId, WorkerRates]], factor: float = _DISTINCT_FACTOR
+) -> list[list[tuple[WorkerId, WorkerRates]]]:
+    """``learned`` in groups of similar prefill rate, fastest group first: sorted by
+    rate and cut wherever a worker's rate is more than ``factor`` times the previous
+    one's. Every worker is in exactly one group; within a group, neighbours in rate
+    order differ by at most ``factor``."""
+    ordered = sorted(learned, key=lambda item: item[1].theta[1])
+    groups: list[list[tuple[WorkerId, WorkerRates]]] = []
+    for item in ordered:
+        if groups and item[1].theta[1] <= groups[-1][-1][1].theta[1] * factor:
+            groups[-1].append(item)
+        else:
+            groups.append([item])
+    return groups
+
+
+def _mean_rates(group: list[tuple[WorkerId, WorkerRates]]) -> WorkerRates:
+    """The group's mean coefficients, a read-only view (no covariance of its own)."""
+    theta = [sum(rates.theta[i] for _, rates in group) / len(group) for i in range(3)]
+    return WorkerRates(
+        theta=theta,
+        covariance=[[0.0] * 3 for _ in range(3)],
+        num_observations=sum(rates.num_observations for _, rates in group),
+    )
 
 
 @dataclass(slots=True)
@@ -92,14 +119,14 @@ class RateLearner:
     """Worker -> ``WorkerRates``; unseen workers read the fleet's mean rates.
 
     NOTE: a worker that joins a fleet whose rates are already learned starts from the
-    mean of the learned workers (not from ``RatePrior``), so it is neither flooded (the
-    fleet is slower than the prior says) nor starved; with no learned worker yet, the
-    prior applies. The mean is recomputed every ``_FLEET_REFRESH_EVERY`` observations.
+    fleet's rates (not from ``RatePrior``), so it is neither flooded (the fleet is slower
+    than the prior says) nor starved; with no learned worker yet, the prior applies. The
+    fleet's rates and groups are recomputed every ``_FLEET_REFRESH_EVERY`` observations.
     """
 
     prior: RatePrior = field(default_factory=RatePrior)
     worker_to_rates: dict[WorkerId, WorkerRates] = field(default_factory=dict)
-    _prior_rates: WorkerRates | None = None  # cached start point of unseen workers
+    _prior_rates: WorkerRates | None = None  # cached ``fleet_rates``
     _distinct: dict[WorkerId, WorkerRates] | None = None  # cached ``distinct_worker_rates``
     _num_observations: int = 0
 
@@ -115,23 +142,31 @@ class RateLearner:
         return self._num_observations
 
     def fleet_rates(self) -> WorkerRates:
-        """The fleet's mean rates over workers with enough observations (the prior before
-        any); read-only, recomputed every ``_FLEET_REFRESH_EVERY`` observations."""
+        """The fleet's rates: the mean of its main group (``distinct_worker_rates``), the
+        prior before any worker has enough observations; read-only, recomputed every
+        ``_FLEET_REFRESH_EVERY`` observations."""
         if self._prior_rates is None:
-            self._prior_rates = self._fresh()
+            self._regroup()
+        assert self._prior_rates is not None
         return self._prior_rates
 
     def distinct_worker_rates(self) -> dict[WorkerId, WorkerRates]:
-        """Workers measurably different from the fleet: at least
-        ``_MIN_OBSERVATIONS_DISTINCT`` observations and a prefill rate more than
-        ``_DISTINCT_FACTOR`` times the median of the learned workers', or less than the
-        median over that factor.
+        """Workers measurably different from the fleet, each with its group's mean rates.
+
+        Workers with at least ``_MIN_OBSERVATIONS_FOR_FLEET`` observations are grouped by
+        prefill rate (``group_by_rate``: a gap of more than ``_DISTINCT_FACTOR``x starts
+        a new group). The group with the most observations is the fleet's main group:
+        its mean is ``fleet_rates``, which its workers, workers with fewer observations
+        and unseen ones read. Each other group with at least
+        ``_MIN_OBSERVATIONS_DISTINCT`` observations in all is distinct: its workers read
+        its mean.
 
         NOTE: identical replicas learn rates that differ by noise (TTFTs mix queueing,
         attention's superlinear cost and the odd stall), and a greedy scorer turns a
         few per cent of noise into a systematic preference for whichever replica looks
         fastest. Scoring every replica with the fleet's mean removes that bias; a
-        really different worker (another GPU, a throttled one) still gets its own.
+        really different kind of worker (another GPU, a throttled one) still gets its
+        own.
 
         NOTE: the factor is 2 because the linear model's per-token rate depends on the
         mix a worker serves: attention makes a token cost more the longer its context,
@@ -139,25 +174,53 @@ class RateLearner:
         prompts behind long queues looks faster. Identical simulated H100s on the
         Mooncake trace learned rates from 0.63x to 1.75x of the median (a 1.3x gap, the
         old threshold, let a "fast" replica take a run of 64K+ prompts and end the run
-        with 1.2x the mean GPU time); an A100 beside H100s prefills 3.2x slower. A worker
-        less than 2x off is left to the queue terms, which see its queue grow.
-        Recomputed with the fleet mean (every ``_FLEET_REFRESH_EVERY`` observations).
+        with 1.2x the mean GPU time); an A100 beside H100s prefills 3.2x slower.
+
+        NOTE: groups, not each worker against the fleet's median, because a slow kind
+        of worker is seen least: it takes fewer requests, and more of them wait behind
+        a queue, which teaches nothing (``observe``). With 4 H100s and 4 A100s, 500
+        requests at 2x the Mooncake rate taught each A100 13-24 TTFTs, below the 64 a
+        worker needed alone, so every worker read the mean of both kinds: the A100s
+        were priced 2x too fast and took 1.6x the H100s' GPU time. Pooled, the A100s'
+        TTFTs set their rate sooner, and the H100s read their own group's mean instead
+        of one dragged up by the A100s.
         """
         if self._distinct is None:
-            learned = [
-                r
-                for r in self.worker_to_rates.values()
-                if r.num_observations >= _MIN_OBSERVATIONS_FOR_FLEET
-            ]
-            median = sorted(r.theta[1] for r in learned)[len(learned) // 2] if learned else 0.0
-            self._distinct = {
-                worker_id: rates
-                for worker_id, rates in self.worker_to_rates.items()
-                if median > 0
-                and rates.num_observations >= _MIN_OBSERVATIONS_DISTINCT
-                and max(rates.theta[1] / median, median / rates.theta[1]) > _DISTINCT_FACTOR
-            }
+            self._regroup()
+        assert self._distinct is not None
         return self._distinct
+
+    def _regroup(self) -> None:
+        """Recompute ``fleet_rates`` and ``distinct_worker_rates`` from the groups."""
+        learned = [
+            (worker_id, rates)
+            for worker_id, rates in self.worker_to_rates.items()
+            if rates.num_observations >= _MIN_OBSERVATIONS_FOR_FLEET
+        ]
+        groups = group_by_rate(learned)
+        if not groups:
+            prior = self.prior
+            theta = [
+                prior.overhead_s,
+                prior.seconds_per_prefill_token * _TOKEN_SCALE,
+                prior.seconds_per_running_request * _RUNNING_SCALE,
+            ]
+            self._prior_rates = WorkerRates(theta=theta, covariance=[[0.0] * 3 for _ in range(3)])
+            self._distinct = {}
+            return
+
+        def pooled(group: list[tuple[WorkerId, WorkerRates]]) -> int:
+            return sum(rates.num_observations for _, rates in group)
+
+        main = max(groups, key=pooled)
+        self._prior_rates = _mean_rates(main)
+        self._distinct = {}
+        for group in groups:
+            if group is main or pooled(group) < _MIN_OBSERVATIONS_DISTINCT:
+                continue
+            group_rates = group[0][1] if len(group) == 1 else _mean_rates(group)
+            for worker_id, _ in group:
+                self._distinct[worker_id] = group_rates
 
     def observe(
         self,
@@ -215,29 +278,18 @@ class RateLearner:
         return True
 
     def forget_worker(self, worker_id: WorkerId) -> None:
-        self.worker_to_rates.pop(worker_id, None)
-        if self._distinct is not None:
-            self._distinct.pop(worker_id, None)
+        """Drop the worker's rates; the groups are recomputed at the next read."""
+        if self.worker_to_rates.pop(worker_id, None) is not None:
+            self._prior_rates = None
+            self._distinct = None
 
     # -- internal helpers ------------------------------------------------------------
 
     def _fresh(self) -> WorkerRates:
-        """A new worker's state: the learned fleet mean, else the prior."""
-        prior = self.prior
-        learned = [
-            r.theta
-            for r in self.worker_to_rates.values()
-            if r.num_observations >= _MIN_OBSERVATIONS_FOR_FLEET
-        ]
-        if learned:
-            theta = [sum(t[i] for t in learned) / len(learned) for i in range(3)]
-        else:
-            theta = [
-                prior.overhead_s,
-                prior.seconds_per_prefill_token * _TOKEN_SCALE,
-                prior.seconds_per_running_request * _RUNNING_SCALE,
-            ]
-        v = prior.prior_variance
+        """A new worker's state: the fleet's rates (``fleet_rates``; the prior before
+        any worker is learned), with the prior's covariance."""
+        theta = list(self.fleet_rates().theta)
+        v = self.prior.prior_variance
         covariance = [[v if i == j else 0.0 for j in range(3)] for i in range(3)]
         return WorkerRates(theta=theta, covariance=covariance)
 

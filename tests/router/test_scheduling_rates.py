@@ -3,13 +3,20 @@ persistent, not isolated, prediction errors."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
 import pytest
 
 from router.scheduling.drift import DriftConfig, DriftTracker
-from router.scheduling.rates import FLEET_REFRESH_EVERY, RateLearner, RatePrior
+from router.scheduling.rates import (
+    FLEET_REFRESH_EVERY,
+    RateLearner,
+    RatePrior,
+    WorkerRates,
+    group_by_rate,
+)
 from router.scheduling.types import WorkerId
 from tests.router.test_scheduling_policies import (
     BLOCK,
@@ -125,7 +132,8 @@ def test_new_workers_start_from_the_learned_fleet_mean() -> None:
         prior.seconds_per_prefill_token
     )
     rng = random.Random(3)
-    for worker, per_token in ((WorkerId("a"), 1e-3), (WorkerId("b"), 3e-3)):
+    # two replicas 1.67x apart: one group, whose mean every new worker starts from
+    for worker, per_token in ((WorkerId("a"), 1.5e-3), (WorkerId("b"), 2.5e-3)):
         for _ in range(200):
             n = rng.randrange(100, 4000)
             learner.observe(worker, prefill_tokens=n, num_running=0, ttft_s=0.01 + per_token * n)
@@ -153,12 +161,12 @@ def test_only_measurably_different_workers_keep_their_own_rates(
         ttft = (0.01 + seconds_per_token * tokens) * rng.uniform(0.8, 1.25)
         learner.observe(worker, prefill_tokens=tokens, num_running=0, ttft_s=ttft)
 
-    for _ in range(40):  # too few for anyone to stand apart
+    for _ in range(24):  # too few for anyone to stand apart
         for worker in replicas:
             observe(worker, 5e-5)
         observe(slow, slowdown * 5e-5)
     assert learner.distinct_worker_rates() == {}
-    for _ in range(60):
+    for _ in range(76):
         for worker in replicas:
             observe(worker, 5e-5)
         observe(slow, slowdown * 5e-5)
@@ -168,6 +176,64 @@ def test_only_measurably_different_workers_keep_their_own_rates(
     assert set(learner.distinct_worker_rates()) == ({slow} if distinct else set())
     learner.forget_worker(slow)
     assert learner.distinct_worker_rates() == {}
+
+
+def test_a_slow_kind_of_worker_seen_rarely_reads_its_groups_rates() -> None:
+    """4 H100s and 4 A100s (3.2x slower). The A100s take few requests: 16 TTFTs each,
+    fewer than one worker needs to stand apart alone but enough together: each
+    A100 reads the A100s' mean rate, and the H100s and an unseen worker read the H100s'
+    (the group with the most observations), not a mean of both kinds."""
+    learner = RateLearner()
+    rng = random.Random(5)
+    fast = [WorkerId(f"h{i}") for i in range(4)]
+    slow = [WorkerId(f"a{i}") for i in range(4)]
+
+    def observe(worker: WorkerId, seconds_per_token: float) -> None:
+        tokens = rng.randrange(500, 20_000)
+        ttft = (0.01 + seconds_per_token * tokens) * rng.uniform(0.9, 1.1)
+        learner.observe(worker, prefill_tokens=tokens, num_running=0, ttft_s=ttft)
+
+    for _ in range(16):
+        for worker in slow:
+            observe(worker, 3.2 * 5e-5)
+    for _ in range(80):
+        for worker in fast:
+            observe(worker, 5e-5)
+    learner.observe(W, prefill_tokens=1, num_running=0, ttft_s=0.01)
+    for _ in range(_until_refresh(learner)):
+        observe(W, 5e-5)
+    distinct = learner.distinct_worker_rates()
+    assert set(distinct) == set(slow)
+    assert len({id(rates) for rates in distinct.values()}) == 1  # one group, one mean
+    slow_rate = distinct[slow[0]].seconds_per_prefill_token
+    assert slow_rate == pytest.approx(3.2 * 5e-5, rel=0.15)
+    assert learner.fleet_rates().seconds_per_prefill_token == pytest.approx(5e-5, rel=0.15)
+    new = learner.rates_of(WorkerId("new")).seconds_per_prefill_token
+    assert new == pytest.approx(5e-5, rel=0.15)
+    learner.forget_worker(slow[0])
+    assert set(learner.distinct_worker_rates()) == set(slow[1:])  # 48 TTFTs still
+
+
+def test_groups_cut_where_the_rate_jumps_more_than_the_factor() -> None:
+    """``group_by_rate`` on random rates against a direct check: groups in rate order
+    cover every worker once, neighbours inside a group are within the factor, and the
+    first of each later group is more than the factor above the last of the one before."""
+    rng = random.Random(6)
+    for _ in range(200):
+        learned = [
+            (WorkerId(f"w{i}"), WorkerRates(theta=[0.0, 10 ** rng.uniform(-2, 1), 0.0],
+                                            covariance=[]))
+            for i in range(rng.randrange(0, 12))
+        ]  # fmt: skip
+        groups = group_by_rate(learned, 2.0)
+        flat = [item for group in groups for item in group]
+        assert sorted(w for w, _ in flat) == sorted(w for w, _ in learned)
+        rates = [r.theta[1] for _, r in flat]
+        assert rates == sorted(rates)
+        for group in groups:
+            assert all(b[1].theta[1] <= 2.0 * a[1].theta[1] for a, b in itertools.pairwise(group))
+        for before, after in itertools.pairwise(groups):
+            assert after[0][1].theta[1] > 2.0 * before[-1][1].theta[1]
 
 
 def test_ttfts_behind_a_long_queue_teach_no_rates() -> None:
