@@ -98,7 +98,8 @@ from router.scheduling.utilization import RecentUtilization
 
 # Whose learned rates score a worker: "per_worker" its own (the fleet mean until it is
 # first observed), "pooled" the fleet's mean for all, "auto" the fleet's mean unless the
-# worker is measurably different (``RateLearner.distinct_worker_rates``).
+# worker is in a group of measurably different workers (another GPU), then that group's
+# mean (``RateLearner.distinct_worker_rates``).
 RATE_SHARING = ("auto", "pooled", "per_worker")
 # With ``waiting_saturates``, the waiting count ``w`` the recompute term reads: "mean" the
 # candidates' mean; "gated_mean" that mean while every candidate has requests waiting, else
@@ -475,7 +476,8 @@ SPEC = PolicySpec(
             str,
             "auto",
             "whose learned rates score a worker: auto (the fleet's mean unless the worker "
-            "is measurably different), pooled (the fleet's mean), per_worker (its own)",
+            "is in a group of measurably different workers, then that group's mean), "
+            "pooled (the fleet's mean), per_worker (its own)",
         ),
     ),
     factory=_create,
