@@ -179,7 +179,7 @@ def test_only_measurably_different_workers_keep_their_own_rates(
 
 
 def test_a_slow_kind_of_worker_seen_rarely_reads_its_groups_rates() -> None:
-    """4 H100s and 4 A100s (3.2x slower). The A100s take few requests: 16 TTFTs each,
+    """4 H100s and 4 A100s (3.2x slower). The A100s take few requests: 10 TTFTs each,
     fewer than one worker needs to stand apart alone but enough together: each
     A100 reads the A100s' mean rate, and the H100s and an unseen worker read the H100s'
     (the group with the most observations), not a mean of both kinds."""
@@ -193,7 +193,7 @@ def test_a_slow_kind_of_worker_seen_rarely_reads_its_groups_rates() -> None:
         ttft = (0.01 + seconds_per_token * tokens) * rng.uniform(0.9, 1.1)
         learner.observe(worker, prefill_tokens=tokens, num_running=0, ttft_s=ttft)
 
-    for _ in range(16):
+    for _ in range(10):
         for worker in slow:
             observe(worker, 3.2 * 5e-5)
     for _ in range(80):
@@ -211,7 +211,7 @@ def test_a_slow_kind_of_worker_seen_rarely_reads_its_groups_rates() -> None:
     new = learner.rates_of(WorkerId("new")).seconds_per_prefill_token
     assert new == pytest.approx(5e-5, rel=0.15)
     learner.forget_worker(slow[0])
-    assert set(learner.distinct_worker_rates()) == set(slow[1:])  # 48 TTFTs still
+    assert learner.distinct_worker_rates() == {}  # 30 TTFTs left: too few to stand apart
 
 
 def test_groups_cut_where_the_rate_jumps_more_than_the_factor() -> None:
