@@ -186,14 +186,14 @@ class RateLearner:
         requests at 2x the Mooncake rate taught each A100 13-24 TTFTs, below the 64 a
         worker then needed alone, so every worker read the mean of both kinds: the
         A100s were priced 2x too fast and took 1.6x the H100s' GPU time. A worker now
-        counts in the groups after 8 TTFTs, and the A100s' group stood apart after 141
-        observations at 1x and 236 at 2x; on 8 identical replicas at 4x no group ever
-        split off
-        (BENCHMARKS.md, "Heterogeneous fleet"). One worker alone still needs 64, and
-        while no group stands apart the fleet's mean is the old one (workers with 16
-        TTFTs): 8 TTFTs of a heavy-tailed mix whose cost grows faster than its tokens
-        are noisy, and a fleet mean taken over the main group of such workers cut the
-        attention weighting's gain in GPU-time balance from 8% to 3% over 24 seeds of
+        counts in the groups after 8 TTFTs; in the same runs the A100s' group stood
+        apart after 435 of 500 observations at 1x and 351 at 2x, and on 8 identical
+        replicas at 4x-5x no group ever split off (BENCHMARKS.md, "Heterogeneous
+        fleet"). One worker alone still needs 64, and while no group stands apart the
+        fleet's mean is the old one (workers with 16 TTFTs): 8 TTFTs of a heavy-tailed
+        mix whose cost grows faster than its tokens are noisy, and a fleet mean taken
+        over the main group of such workers cut the attention weighting's gain in
+        GPU-time balance from 8% to 3% over 24 seeds of
         ``test_attention_weighted_share_balances_gpu_time_not_tokens``'s fleet.
         """
         if self._distinct is None:
